@@ -1,0 +1,434 @@
+"""The experiment configuration: one dataclass tree, loaded from YAML with dotted overrides.
+
+Precedence is CLI > YAML > defaults. Every field has a type, a default and a one-line
+docstring under it (``freescale config`` prints them). Loading fails with a ``ConfigError``
+whose message is one line naming the dotted key (or the file) and what was expected.
+
+Range limits ride on the type as ``Annotated[int, Range(...)]``; choices are ``Literal``.
+Rules that tie several fields together live in ``_check_cross_fields``.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported to the user as one line."""
+
+
+@dataclass(frozen=True)
+class Range:
+    """Inclusive bounds for a numeric field (``None`` = unbounded)."""
+
+    min: float | None = None
+    max: float | None = None
+
+    def describe(self) -> str:
+        if self.max is None:
+            return f">= {self.min}"
+        if self.min is None:
+            return f"<= {self.max}"
+        return f"in [{self.min}, {self.max}]"
+
+
+Positive = Range(min=1)
+NonNegative = Range(min=0)
+Probability = Range(min=0.0, max=1.0)
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunConfig:
+    name: str = "run"
+    """Run name; the run folder is <out_dir>/<name>-<UTC timestamp> unless run.dir is set."""
+    out_dir: str = "runs"
+    """Folder under which run folders are created."""
+    dir: str = ""
+    """Explicit run folder; reused if it exists (set by resume to continue in place)."""
+    seed: Annotated[int, NonNegative] = 0
+    """Seed for model initialization and synthetic data."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Compute device: auto picks cuda when available, else cpu."""
+    threads: Annotated[int, NonNegative] = 0
+    """Intra-op threads per rank; 0 = CPU cores divided by the ranks on this host."""
+    log_every: Annotated[int, Positive] = 10
+    """Print progress and append to metrics.jsonl every this many steps."""
+
+
+@dataclass
+class SyntheticDataConfig:
+    num_items: Annotated[int, Range(min=2)] = 4096
+    """Item vocabulary size (rows of the item table)."""
+    num_users: Annotated[int, Positive] = 1_000_000
+    """User population; requests are drawn uniformly from it."""
+    num_clusters: Annotated[int, Range(min=2)] = 16
+    """Item clusters; item i belongs to cluster i % num_clusters."""
+    clusters_per_user: Annotated[int, Positive] = 2
+    """Preferred clusters per user."""
+    affinity: Annotated[float, Probability] = 0.8
+    """Probability that a history event comes from one of the user's preferred clusters."""
+    base_logit: float = -1.5
+    """Click logit of an average candidate outside the user's preferred clusters."""
+    preference_logit: float = 3.0
+    """Added to the click logit when the candidate's cluster is preferred (needs the history)."""
+    quality_std: Annotated[float, Range(min=0.0)] = 0.5
+    """Standard deviation of a per-item quality term in the click logit (needs only the item)."""
+    median_uih_len: Annotated[float, Range(min=1.0)] = 48.0
+    """Median of the lognormal body of the UIH length distribution."""
+    sigma: Annotated[float, Range(min=0.0)] = 0.8
+    """Log-space standard deviation of the lognormal body."""
+    tail_prob: Annotated[float, Probability] = 0.02
+    """Fraction of samples drawn from the Pareto tail instead of the body."""
+    tail_min_len: Annotated[float, Range(min=1.0)] = 512.0
+    """Scale (smallest length) of the Pareto tail."""
+    tail_alpha: Annotated[float, Range(min=0.1)] = 1.2
+    """Pareto shape of the tail; smaller is heavier."""
+
+
+@dataclass
+class RatingsDataConfig:
+    path: str = ""
+    """Ratings log: `user,item,rating,timestamp` CSV, MovieLens `::` ratings.dat, or tab-separated u.data."""
+    positive_rating: float = 4.0
+    """A candidate's label is 1 when its rating is at least this."""
+    holdout_fraction: Annotated[float, Range(min=0.0, max=0.9)] = 0.1
+    """Latest fraction of samples (by time) held out for evaluation."""
+
+
+@dataclass
+class DataConfig:
+    source: Literal["synthetic", "ratings"] = "synthetic"
+    """Sample source: seeded synthetic stream or a ratings log."""
+    batch_size: Annotated[int, Positive] = 32
+    """Samples per rank per step (the global batch is batch_size x ranks)."""
+    min_uih_len: Annotated[int, Positive] = 1
+    """Shortest user history; ratings events with fewer prior events give no sample."""
+    max_uih_len: Annotated[int, Positive] = 1024
+    """Longest user history; longer histories keep their most recent events."""
+    num_candidates: Annotated[int, Positive] = 4
+    """Candidates per sample (ratings: the next events of the user, the last sample may have fewer)."""
+    eval_samples: Annotated[int, NonNegative] = 2048
+    """Held-out samples per evaluation, split across ranks (ratings: at most the held-out set)."""
+    synthetic: SyntheticDataConfig = field(default_factory=SyntheticDataConfig)
+    """Synthetic source settings."""
+    ratings: RatingsDataConfig = field(default_factory=RatingsDataConfig)
+    """Ratings source settings."""
+
+
+@dataclass
+class ModelConfig:
+    embedding_dim: Annotated[int, Range(min=2)] = 32
+    """Width of item embeddings and of the transformer."""
+    num_layers: Annotated[int, NonNegative] = 2
+    """Transformer encoder layers over the UIH."""
+    num_heads: Annotated[int, Positive] = 2
+    """Attention heads; must divide embedding_dim."""
+    ffn_mult: Annotated[int, Positive] = 2
+    """Feed-forward width as a multiple of embedding_dim."""
+    mlp_dims: list[int] = field(default_factory=lambda: [64, 32])
+    """Hidden widths of the prediction head."""
+    user_features: bool = True
+    """Add a pooled, hashed user-id feature through an EmbeddingBagCollection."""
+    user_hash_size: Annotated[int, Positive] = 100_000
+    """Rows of the hashed user-id table."""
+    attention_padding: Annotated[float, Range(min=1.0)] = 1.25
+    """Jagged attention groups samples of similar length; max padded/actual tokens per group."""
+
+
+@dataclass
+class EmbeddingConfig:
+    optimizer: Literal["rowwise_adagrad", "sgd"] = "rowwise_adagrad"
+    """Fused (in-backward) optimizer of the embedding tables."""
+    lr: Annotated[float, Range(min=0.0)] = 0.05
+    """Learning rate of the embedding optimizer."""
+    sharding: Literal["auto", "row_wise", "table_wise"] = "row_wise"
+    """Sharding of the item table (the pooled user table is table-wise); auto lets TorchRec's planner choose."""
+    init_std: Annotated[float, Range(min=0.0)] = 0.05
+    """Standard deviation of the normal initialization of embedding rows."""
+
+
+@dataclass
+class TrainConfig:
+    steps: Annotated[int, Positive] = 200
+    """Total optimizer steps (a resumed run continues up to this count)."""
+    pipeline: Literal["sparse_dist", "base"] = "sparse_dist"
+    """Training pipeline: TorchRec TrainPipelineSparseDist (baseline) or the unpipelined base."""
+    optimizer: Literal["adam", "adagrad", "sgd"] = "adam"
+    """Dense optimizer."""
+    lr: Annotated[float, Range(min=0.0)] = 0.001
+    """Dense learning rate."""
+    weight_decay: Annotated[float, Range(min=0.0)] = 0.0
+    """Dense weight decay."""
+    eval_every: Annotated[int, NonNegative] = 0
+    """Evaluate every this many steps (0 = only at the end)."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend: auto picks nccl on cuda, gloo on cpu."""
+
+
+@dataclass
+class CheckpointConfig:
+    every: Annotated[int, NonNegative] = 0
+    """Save a checkpoint every this many steps (0 = only at the end)."""
+    at_end: bool = True
+    """Save a checkpoint when training finishes."""
+    keep: Annotated[int, Positive] = 2
+    """Checkpoints kept in the run folder; older ones are deleted."""
+    resume: str = ""
+    """Run folder or checkpoint folder to resume from (latest checkpoint of a run folder)."""
+
+
+@dataclass
+class ExperimentConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    """Run identity, folder, device and logging."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Where samples come from and how they are batched."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The sequence recommendation model."""
+    embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
+    """Embedding tables: sharding and fused optimizer."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The training loop."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Saving and resuming with torch.distributed.checkpoint."""
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
+    """Defaults, then the YAML file, then ``section.key=value`` overrides; validated."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        data = _read_yaml(str(path))
+    for item in overrides or []:
+        key, value = _split_override(item)
+        _set_dotted(data, key, value)
+    cfg = from_dict(ExperimentConfig, data)
+    _check_cross_fields(cfg)
+    return cfg
+
+
+def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
+    """Build dataclass ``cls`` from nested dicts, checking keys, types and ranges."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {_kind(data)}")
+    hints = typing.get_type_hints(cls, include_extras=True)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            dotted = f"{prefix}{key}"
+            raise ConfigError(f"unknown config key '{dotted}'{_suggest(str(key), names, prefix)}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name in data:
+            kwargs[f.name] = _coerce(hints[f.name], data[f.name], f"{prefix}{f.name}")
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: ExperimentConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def write_config(cfg: ExperimentConfig, path: str) -> None:
+    """Write the resolved config atomically."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(dump_yaml(cfg))
+    os.replace(tmp, path)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Docstrings written under each field of a config dataclass."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = nxt.value.value.strip()
+    return docs
+
+
+def describe(cfg: Any, prefix: str = "") -> list[tuple[str, Any, str]]:
+    """Flatten a config into (dotted key, value, docstring) rows, sections first-level order."""
+    rows = []
+    docs = field_docs(type(cfg))
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            rows.extend(describe(value, f"{prefix}{f.name}."))
+        else:
+            rows.append((f"{prefix}{f.name}", value, docs.get(f.name, "")))
+    return rows
+
+
+# --------------------------------------------------------------------------------------------
+# Internals
+# --------------------------------------------------------------------------------------------
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    if not os.path.exists(path):
+        raise ConfigError(f"config file not found: {path}")
+    if os.path.isdir(path):
+        raise ConfigError(f"config path is a folder, expected a YAML file: {path}")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{path}: malformed YAML{where}: {problem}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections at the top level, got {_kind(data)}")
+    return data
+
+
+def _split_override(item: str) -> tuple[str, Any]:
+    text = item[2:] if item.startswith("--") else item
+    if "=" not in text:
+        raise ConfigError(f"override '{item}': expected --section.key=value")
+    key, raw = text.split("=", 1)
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}': expected --section.key=value")
+    return key, _OverrideText(raw)
+
+
+class _OverrideText(str):
+    """A CLI value, kept as text until the field's type is known (so '007' stays a string)."""
+
+
+def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
+    parts = key.split(".")
+    node = data
+    for i, part in enumerate(parts[:-1]):
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"override '{key}': '{'.'.join(parts[: i + 1])}' is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _parse_text(raw: str, dotted: str) -> Any:
+    try:
+        return yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        raise ConfigError(f"{dotted}: cannot parse value '{raw}'") from None
+
+
+def _coerce(tp: Any, value: Any, dotted: str) -> Any:
+    range_ = None
+    if typing.get_origin(tp) is Annotated:
+        tp, *extras = typing.get_args(tp)
+        range_ = next((e for e in extras if isinstance(e, Range)), None)
+    origin = typing.get_origin(tp)
+
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, _OverrideText):
+            raise ConfigError(f"{dotted}: is a section; set its keys as {dotted}.KEY=VALUE")
+        return from_dict(tp, value, f"{dotted}.")
+    if isinstance(value, _OverrideText) and tp is not str:
+        value = _parse_text(str(value), dotted)
+
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{dotted}: expected one of {', '.join(map(str, choices))}; got {value!r}")
+        return value
+    if origin in (list, typing.List):
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = [value]
+        if not isinstance(value, list):
+            raise ConfigError(f"{dotted}: expected a list of {item_tp.__name__}, got {_kind(value)}")
+        return [_coerce(item_tp, v, f"{dotted}[{i}]") for i, v in enumerate(value)]
+    if origin in (Union, types.UnionType):
+        raise TypeError(f"{dotted}: union types are not supported in the config tree")
+
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{dotted}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{dotted}: expected an integer, got {value!r}")
+    elif tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{dotted}: expected a number, got {value!r}")
+        value = float(value)
+    elif tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{dotted}: expected a string, got {value!r}")
+        value = str(value)
+    else:
+        raise TypeError(f"{dotted}: unsupported config type {tp}")
+
+    if range_ is not None:
+        too_low = range_.min is not None and value < range_.min
+        too_high = range_.max is not None and value > range_.max
+        if too_low or too_high:
+            raise ConfigError(f"{dotted}: expected a value {range_.describe()}, got {value!r}")
+    return value
+
+
+def _check_cross_fields(cfg: ExperimentConfig) -> None:
+    m, d = cfg.model, cfg.data
+    if m.embedding_dim % m.num_heads:
+        raise ConfigError(
+            f"model.num_heads: expected a divisor of model.embedding_dim ({m.embedding_dim}), got {m.num_heads}"
+        )
+    if d.min_uih_len > d.max_uih_len:
+        raise ConfigError(f"data.min_uih_len: expected <= data.max_uih_len ({d.max_uih_len}), got {d.min_uih_len}")
+    if any(w < 1 for w in m.mlp_dims):
+        raise ConfigError(f"model.mlp_dims: expected positive widths, got {m.mlp_dims}")
+    if d.source == "ratings":
+        if not d.ratings.path:
+            raise ConfigError("data.ratings.path: required when data.source is ratings")
+        if not os.path.isfile(d.ratings.path):
+            raise ConfigError(f"data.ratings.path: file not found: {d.ratings.path}")
+    if cfg.checkpoint.resume and not os.path.isdir(cfg.checkpoint.resume):
+        raise ConfigError(f"checkpoint.resume: folder not found: {cfg.checkpoint.resume}")
+
+
+def _kind(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string"}.get(type(value), repr(value))
+
+
+def _suggest(key: str, names: set[str], prefix: str) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(key, sorted(names), n=1)
+    if close:
+        return f" (did you mean '{prefix}{close[0]}'?)"
+    return f" (expected one of: {', '.join(f'{prefix}{n}' for n in sorted(names))})"

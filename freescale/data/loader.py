@@ -1,0 +1,104 @@
+"""The stateful loader: this rank's slice of consecutive global batches.
+
+Global batch ``k`` is the ``ranks x batch_size`` samples at stream positions
+``k*G .. (k+1)*G - 1`` (``G`` = global batch size; a finite source wraps around into the
+next epoch). Rank ``r`` takes the contiguous ``r``-th slice, which is what a
+``DistributedSampler`` split does and is the baseline the balancer re-partitions.
+
+The cursor is the index of the next global batch, so it is the same on every rank and a
+resumed run continues exactly where the checkpoint left off. Pipelines read batches ahead of
+training; the trainer therefore checkpoints ``cursor_after(last trained batch)``, not the
+loader's own read position.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Protocol
+
+import numpy as np
+
+from freescale.config import DataConfig
+from freescale.data.batch import Batch, Samples
+from freescale.data.readers import RatingsSource, read_ratings
+from freescale.data.synthetic import SyntheticSource
+
+
+class SampleSource(Protocol):
+    num_items: int
+    num_samples: int | None
+    """Samples in the split, or None for an infinite stream."""
+
+    def samples_at(self, positions: np.ndarray) -> Samples: ...
+
+
+def build_sources(cfg: DataConfig, seed: int) -> tuple[SampleSource, SampleSource]:
+    """The (train, eval) sources the config names."""
+    common = dict(min_uih_len=cfg.min_uih_len, max_uih_len=cfg.max_uih_len, num_candidates=cfg.num_candidates)
+    if cfg.source == "synthetic":
+        return tuple(SyntheticSource(cfg.synthetic, seed=seed, split=s, **common) for s in ("train", "eval"))
+    log = read_ratings(cfg.ratings.path)
+    return tuple(
+        RatingsSource(log, split=s, positive_rating=cfg.ratings.positive_rating,
+                      holdout_fraction=cfg.ratings.holdout_fraction, **common)
+        for s in ("train", "eval")
+    )
+
+
+class BatchLoader:
+    """Iterates this rank's local batches of global batches ``next_batch, next_batch+1, ...``."""
+
+    def __init__(self, source: SampleSource, *, batch_size: int, rank: int, world_size: int,
+                 user_hash_size: int, next_batch: int = 0) -> None:
+        self.source = source
+        self.batch_size = batch_size
+        self.rank = rank
+        self.world_size = world_size
+        self.user_hash_size = user_hash_size
+        self.next_batch = next_batch
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.batch_size * self.world_size
+
+    def global_positions(self, batch_index: int) -> np.ndarray:
+        """Stream positions of global batch ``batch_index`` (all ranks, rank-major)."""
+        pos = batch_index * self.global_batch_size + np.arange(self.global_batch_size, dtype=np.int64)
+        return pos if self.source.num_samples is None else pos % self.source.num_samples
+
+    def local_samples(self, batch_index: int) -> Samples:
+        pos = self.global_positions(batch_index)
+        return self.source.samples_at(pos[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
+
+    def __iter__(self) -> Iterator[Batch]:
+        while True:
+            k = self.next_batch
+            self.next_batch += 1
+            yield Batch.from_samples(self.local_samples(k), k, self.user_hash_size)
+
+    def state_dict(self) -> dict:
+        return {"next_batch": self.next_batch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_batch = int(state["next_batch"])
+
+    @staticmethod
+    def cursor_after(batch_index: int) -> dict:
+        """The loader state that resumes right after global batch ``batch_index``."""
+        return {"next_batch": int(batch_index) + 1}
+
+
+def eval_batches(source: SampleSource, *, num_samples: int, batch_size: int, rank: int, world_size: int,
+                 user_hash_size: int) -> list[Batch]:
+    """This rank's share of the first ``num_samples`` held-out samples, in batches.
+
+    Every rank gets the same number of samples and batches, since each forward through the
+    sharded model is a collective.
+    """
+    available = num_samples if source.num_samples is None else min(num_samples, source.num_samples)
+    per_rank = available // world_size
+    start = rank * per_rank
+    batches = []
+    for i, lo in enumerate(range(0, per_rank, batch_size)):
+        pos = np.arange(start + lo, start + min(lo + batch_size, per_rank), dtype=np.int64)
+        batches.append(Batch.from_samples(source.samples_at(pos), i, user_hash_size))
+    return batches

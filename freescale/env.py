@@ -1,0 +1,29 @@
+"""Every environment variable FreeScale reads, named once.
+
+Only process plumbing that torchrun dictates is read from the environment; every other knob
+lives in the config tree.
+"""
+
+from __future__ import annotations
+
+import os
+
+RANK = "RANK"
+"""Global rank of this process (set by torchrun)."""
+WORLD_SIZE = "WORLD_SIZE"
+"""Number of processes in the job (set by torchrun)."""
+LOCAL_RANK = "LOCAL_RANK"
+"""Rank of this process on its host; selects the GPU (set by torchrun)."""
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+"""Processes on this host; divides the CPU cores between ranks (set by torchrun)."""
+MASTER_ADDR = "MASTER_ADDR"
+"""Rendezvous host of the default process group (set by torchrun)."""
+
+
+def get_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return default if value in (None, "") else int(value)
+
+
+def launched_by_torchrun() -> bool:
+    return RANK in os.environ and WORLD_SIZE in os.environ and MASTER_ADDR in os.environ

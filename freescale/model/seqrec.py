@@ -1,0 +1,132 @@
+"""The sequence recommendation model.
+
+``SeqRecModel.forward`` only routes features: the item ids of histories and candidates go
+through one ``EmbeddingCollection`` table (sequence embeddings), the hashed user id through an
+``EmbeddingBagCollection`` (pooled), and everything dense, whose shapes depend on the data,
+sits in ``SeqRecTask``. TorchRec's pipelines FX-trace the top-level forward to find the
+sharded modules' inputs and treat ``SeqRecTask`` as one leaf, so it may branch on the data.
+
+``SeqRecTask``: positional embeddings on the UIH, a pre-norm transformer encoder over the
+jagged UIH, candidate-target attention (each candidate attends over its own sample's encoded
+history), an MLP head on [candidate, attended, candidate * attended, user], and BCE loss.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
+
+from freescale.config import EmbeddingConfig as EmbeddingSettings
+from freescale.config import ModelConfig
+from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE, Batch
+from freescale.model.jagged_attention import JaggedLayout, offsets_of
+
+ITEM_TABLE = "item_table"
+USER_TABLE = "user_table"
+
+
+class EncoderLayer(nn.Module):
+    def __init__(self, dim: int, num_heads: int, ffn_mult: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.ffn = nn.Sequential(nn.Linear(dim, ffn_mult * dim), nn.GELU(), nn.Linear(ffn_mult * dim, dim))
+
+    def forward(self, x: torch.Tensor, layout: JaggedLayout) -> torch.Tensor:
+        q, k, v = self.qkv(self.norm1(x)).chunk(3, dim=-1)
+        x = x + self.proj(layout.attend(q, k, v, self.num_heads))
+        return x + self.ffn(self.norm2(x))
+
+
+class SeqRecTask(nn.Module):
+    """Dense part: encoder, target attention, head and loss (one FX leaf)."""
+
+    def __init__(self, cfg: ModelConfig, max_uih_len: int) -> None:
+        super().__init__()
+        dim = cfg.embedding_dim
+        self.cfg = cfg
+        self.positions = nn.Embedding(max_uih_len, dim)
+        self.layers = nn.ModuleList(EncoderLayer(dim, cfg.num_heads, cfg.ffn_mult) for _ in range(cfg.num_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.target_q = nn.Linear(dim, dim)
+        self.target_kv = nn.Linear(dim, 2 * dim)
+        widths = [4 * dim if cfg.user_features else 3 * dim, *cfg.mlp_dims]
+        mlp: list[nn.Module] = []
+        for a, b in zip(widths, widths[1:]):
+            mlp += [nn.Linear(a, b), nn.ReLU()]
+        self.head = nn.Sequential(*mlp, nn.Linear(widths[-1], 1))
+        nn.init.normal_(self.positions.weight, std=0.02)
+
+    def forward(
+        self,
+        seq: dict[str, JaggedTensor],
+        user: KeyedTensor | None,
+        uih_lengths: torch.Tensor,
+        cand_counts: torch.Tensor,
+        labels: torch.Tensor,
+        sample_ids: torch.Tensor,
+        batch_index: torch.Tensor,
+    ):
+        uih = seq[UIH_FEATURE].values()
+        cand = seq[CANDIDATE_FEATURE].values()
+        self_layout = JaggedLayout(uih_lengths, uih_lengths, self.cfg.attention_padding)
+        target_layout = JaggedLayout(uih_lengths, cand_counts, self.cfg.attention_padding)
+
+        # Position counted from the most recent event, so truncation keeps positions stable.
+        within = torch.arange(uih.shape[0], device=uih.device) - torch.repeat_interleave(offsets_of(uih_lengths)[:-1], uih_lengths)
+        from_end = torch.repeat_interleave(uih_lengths, uih_lengths) - 1 - within
+        x = uih + self.positions(from_end.clamp_(max=self.positions.num_embeddings - 1))
+        for layer in self.layers:
+            x = layer(x, self_layout)
+        x = self.norm(x)
+
+        k, v = self.target_kv(x).chunk(2, dim=-1)
+        attended = target_layout.attend(self.target_q(cand), k, v, self.cfg.num_heads)
+        features = [cand, attended, cand * attended]
+        if user is not None:
+            features.append(torch.repeat_interleave(user[USER_FEATURE], cand_counts, dim=0))
+        logits = self.head(torch.cat(features, dim=-1)).squeeze(-1)
+        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        return loss, (loss.detach(), logits.detach(), labels, sample_ids, batch_index)
+
+
+class SeqRecModel(nn.Module):
+    """Routes a ``Batch`` through the embedding modules into ``SeqRecTask``.
+
+    Returns ``(loss, (loss, logits, labels, sample_ids, batch_index))`` as TorchRec's
+    pipelines expect ``(losses, output)``.
+    """
+
+    def __init__(self, cfg: ModelConfig, emb: EmbeddingSettings, *, num_items: int, max_uih_len: int,
+                 device: torch.device) -> None:
+        super().__init__()
+        init = partial(nn.init.normal_, mean=0.0, std=emb.init_std)
+        self.item_ec = EmbeddingCollection(
+            tables=[EmbeddingConfig(name=ITEM_TABLE, embedding_dim=cfg.embedding_dim, num_embeddings=num_items,
+                                    feature_names=[UIH_FEATURE, CANDIDATE_FEATURE], init_fn=init)],
+            device=device,
+        )
+        self.user_ebc = (
+            EmbeddingBagCollection(
+                tables=[EmbeddingBagConfig(name=USER_TABLE, embedding_dim=cfg.embedding_dim, num_embeddings=cfg.user_hash_size,
+                                           feature_names=[USER_FEATURE], pooling=PoolingType.SUM, init_fn=init)],
+                device=device,
+            )
+            if cfg.user_features
+            else None
+        )
+        self.task = SeqRecTask(cfg, max_uih_len)
+
+    def forward(self, batch: Batch):
+        seq = self.item_ec(batch.seq_features)
+        user = self.user_ebc(batch.user_features) if self.user_ebc is not None else None
+        return self.task(seq, user, batch.uih_lengths, batch.cand_counts, batch.labels, batch.sample_ids, batch.batch_index)

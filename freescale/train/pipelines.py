@@ -1,0 +1,85 @@
+"""Training pipelines, chosen by ``train.pipeline`` from a small registry.
+
+- ``sparse_dist``: TorchRec's ``TrainPipelineSparseDist``, the baseline. It starts batch
+  i+1's input distribution (the id all-to-all) while batch i computes, then blocks on the
+  embedding all-to-alls inside forward and backward.
+- ``base``: TorchRec's ``TrainPipelineBase``: no overlap, the synchronous reference.
+
+Both take ``progress(iterator)`` and return the model's output for the batch they trained.
+Evaluation runs the plain model: the forwards a pipeline rewrote are swapped back for it, and
+the in-flight batches are untouched.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+
+
+class Pipeline:
+    """A TorchRec pipeline plus the model it drives."""
+
+    def __init__(self, inner, model: torch.nn.Module) -> None:
+        self.inner = inner
+        self.model = model
+
+    def progress(self, batches: Iterator):
+        return self.inner.progress(batches)
+
+    @contextmanager
+    def evaluating(self):
+        """The plain model in eval mode; training mode and the pipelined forwards are restored after."""
+        with _original_forwards(self.inner):
+            self.model.eval()
+            try:
+                with torch.no_grad():
+                    yield self.model
+            finally:
+                self.model.train()
+
+
+def _kjt_dists(modules) -> list:
+    return [d._dist for m in modules for _, c in m.named_modules() if hasattr(c, "_input_dists")
+            for d in c._input_dists if hasattr(d, "_dist")]
+
+
+@contextmanager
+def _original_forwards(inner):
+    """Swap a sparse-dist pipeline's rewritten forwards for the originals, and back.
+
+    TorchRec's ``detach()``/``attach()`` would restart the input distribution of the batch in
+    flight on re-attach, issuing a collective that is never awaited; swapping the forwards
+    leaves the pipeline's in-flight state untouched.
+    """
+    modules = getattr(inner, "_pipelined_modules", [])
+    dists = _kjt_dists(modules)
+    pipelined = [m.forward for m in modules], [d.forward for d in dists]
+    for m, f in zip(modules, inner._original_forwards if modules else []):
+        m.forward = f
+    for d, f in zip(dists, inner._original_kjt_dist_forwards if modules else []):
+        d.forward = f
+    try:
+        yield
+    finally:
+        for m, f in zip(modules, pipelined[0]):
+            m.forward = f
+        for d, f in zip(dists, pipelined[1]):
+            d.forward = f
+
+
+def _sparse_dist(model, optimizer, device) -> TrainPipelineSparseDist:
+    return TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=False)
+
+
+def _base(model, optimizer, device) -> TrainPipelineBase:
+    return TrainPipelineBase(model, optimizer, device)
+
+
+PIPELINES: dict[str, Callable] = {"sparse_dist": _sparse_dist, "base": _base}
+
+
+def build_pipeline(name: str, model: torch.nn.Module, optimizer, device: torch.device) -> Pipeline:
+    return Pipeline(PIPELINES[name](model, optimizer, device), model)
