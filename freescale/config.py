@@ -219,6 +219,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
         data = _read_yaml(str(path))
     for item in overrides or []:
         key, value = _split_override(item)
+        _check_key_path(key)
         _set_dotted(data, key, value)
     cfg = from_dict(ExperimentConfig, data)
     _check_cross_fields(cfg)
@@ -228,7 +229,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | No
 def from_dict(cls: type, data: Any, prefix: str = "") -> Any:
     """Build dataclass ``cls`` from nested dicts, checking keys, types and ranges."""
     if not isinstance(data, dict):
-        raise ConfigError(f"{prefix or 'config'}: expected a mapping of keys, got {_kind(data)}")
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'}: expected a mapping of keys, got {_kind(data)}")
     hints = typing.get_type_hints(cls, include_extras=True)
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
@@ -325,6 +326,20 @@ def _split_override(item: str) -> tuple[str, Any]:
 
 class _OverrideText(str):
     """A CLI value, kept as text until the field's type is known (so '007' stays a string)."""
+
+
+def _check_key_path(key: str) -> None:
+    """An override must name an existing field; report the whole dotted key if not."""
+    cls: Any = ExperimentConfig
+    parts = key.split(".")
+    for i, part in enumerate(parts):
+        if not dataclasses.is_dataclass(cls):
+            raise ConfigError(f"unknown config key '{key}' ('{'.'.join(parts[:i])}' is not a section)")
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        if part not in fields:
+            prefix = ".".join(parts[:i]) + "." if i else ""
+            raise ConfigError(f"unknown config key '{key}'{_suggest(part, set(fields), prefix)}")
+        cls = typing.get_type_hints(cls)[part]
 
 
 def _set_dotted(data: dict[str, Any], key: str, value: Any) -> None:

@@ -77,7 +77,8 @@ class SyntheticSource:
         """[n, clusters_per_user] preferred clusters of each user."""
         k = self.cfg.clusters_per_user
         keys = user_ids.astype(np.uint64)[:, None] * np.uint64(k) + np.arange(k, dtype=np.uint64)[None, :]
-        keys = keys + np.uint64(self.seed) * np.uint64(0x9E3779B97F4A7C15)
+        with np.errstate(over="ignore"):
+            keys = keys + np.uint64(self.seed) * np.uint64(0x9E3779B97F4A7C15)
         return (_mix(keys) % np.uint64(self.cfg.num_clusters)).astype(np.int64)
 
     def item_quality(self, items: np.ndarray) -> np.ndarray:

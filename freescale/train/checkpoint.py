@@ -69,7 +69,8 @@ class Checkpointer:
         return {
             "model": model.state_dict(),
             "optimizer": optimizer.state_dict(),
-            "trainer": dict(trainer_state),
+            # Tensors, not ints: DCP flattens nested tensors on both save and load.
+            "trainer": {k: torch.tensor(v, dtype=torch.int64) for k, v in trainer_state.items()},
             "rng": {f"rank{self.rank}": torch.get_rng_state()},
         }
 

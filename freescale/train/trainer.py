@@ -97,7 +97,7 @@ def train(cfg: ExperimentConfig) -> dict:
         checkpointer.load(resume_from, app)
         model.load_state_dict(app["model"])
         optimizer.load_state_dict(app["optimizer"])
-        state.load_state_dict(app["trainer"])
+        state.load_state_dict({k: int(v) for k, v in app["trainer"].items()})
         log.info(f"resumed from {resume_from} at step {state.step}")
     loader.load_state_dict({"next_batch": state.next_batch})
 
@@ -152,7 +152,7 @@ def _log_progress(step: int, window: StepWindow, metrics: MetricsLog, log: loggi
     loss = (totals[0] / totals[1]).item()
     record = {
         "step": step,
-        "train/loss": round(loss, 6),
+        "train/loss": loss,
         "throughput/samples_per_s": round(totals[2].item() / elapsed, 2),
         "time/step(ms)": round(1000 * elapsed / len(window.losses), 3),
     }

@@ -1,0 +1,57 @@
+"""Launching FreeScale the way users do: the CLI standalone or under torchrun, as real processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "configs" / "quickstart.yaml"
+
+# Small, fast settings on top of the quickstart config for multi-process tests.
+FAST = [
+    "--data.batch_size=16",
+    "--data.max_uih_len=64",
+    "--data.eval_samples=128",
+    "--data.synthetic.tail_min_len=32",
+    "--model.num_layers=1",
+    "--run.log_every=1",
+    "--train.eval_every=0",
+    "--checkpoint.every=0",
+]
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def freescale(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``freescale ARGS`` in one process."""
+    return subprocess.run([sys.executable, "-m", "freescale", *args], cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=N -m freescale ARGS``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "freescale", *args]
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    return {r["step"]: r["train/loss"] for r in metrics(run_dir) if "train/loss" in r}

@@ -1,0 +1,120 @@
+import dataclasses
+
+import pytest
+import yaml
+
+from freescale.config import (
+    ConfigError,
+    ExperimentConfig,
+    describe,
+    dump_yaml,
+    field_docs,
+    load_config,
+    write_config,
+)
+from helpers.launch import QUICKSTART
+
+
+def write(tmp_path, text, name="exp.yaml"):
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def test_defaults_without_file():
+    cfg = load_config(None, [])
+    assert cfg == ExperimentConfig()
+
+
+def test_precedence_cli_over_yaml_over_defaults(tmp_path):
+    path = write(tmp_path, "train:\n  steps: 50\n  lr: 0.01\ndata:\n  synthetic:\n    num_items: 99\n")
+    cfg = load_config(path, ["--train.steps=7", "data.synthetic.sigma=0.5"])
+    assert cfg.train.steps == 7  # CLI beats YAML
+    assert cfg.train.lr == 0.01  # YAML beats default
+    assert cfg.data.synthetic.num_items == 99
+    assert cfg.data.synthetic.sigma == 0.5
+    assert cfg.data.batch_size == ExperimentConfig().data.batch_size  # default kept
+
+
+def test_override_values_are_typed_by_the_field():
+    cfg = load_config(None, ["--run.name=007", "--train.lr=1", "--model.mlp_dims=[8, 4]", "--model.user_features=false"])
+    assert cfg.run.name == "007"
+    assert cfg.train.lr == 1.0 and isinstance(cfg.train.lr, float)
+    assert cfg.model.mlp_dims == [8, 4]
+    assert cfg.model.user_features is False
+
+
+@pytest.mark.parametrize(
+    "overrides, fragment",
+    [
+        (["--no.such=1"], "unknown config key 'no.such'"),
+        (["--train.stepz=1"], "unknown config key 'train.stepz' (did you mean 'train.steps'?)"),
+        (["--data.synthetic.bogus=1"], "unknown config key 'data.synthetic.bogus'"),
+        (["--train.steps=abc"], "train.steps: expected an integer, got 'abc'"),
+        (["--train.steps=1.5"], "train.steps: expected an integer"),
+        (["--model.user_features=1"], "model.user_features: expected true or false"),
+        (["--train.lr=fast"], "train.lr: expected a number"),
+        (["--model.mlp_dims=wide"], "model.mlp_dims: expected a list of int"),
+        (["--model.mlp_dims=[8, x]"], "model.mlp_dims[1]: expected an integer"),
+        (["--train.steps=0"], "train.steps: expected a value >= 1, got 0"),
+        (["--data.synthetic.affinity=1.5"], "data.synthetic.affinity: expected a value in [0.0, 1.0], got 1.5"),
+        (["--train.pipeline=warp"], "train.pipeline: expected one of sparse_dist, base; got 'warp'"),
+        (["--data=3"], "data: is a section"),
+        (["--model.num_heads=3"], "model.num_heads: expected a divisor of model.embedding_dim"),
+        (["--data.min_uih_len=9", "--data.max_uih_len=8"], "data.min_uih_len: expected <= data.max_uih_len"),
+        (["--data.source=ratings"], "data.ratings.path: required when data.source is ratings"),
+        (["--data.source=ratings", "--data.ratings.path=/no/such/ratings.csv"], "data.ratings.path: file not found: /no/such/ratings.csv"),
+        (["--checkpoint.resume=/no/such/run"], "checkpoint.resume: folder not found: /no/such/run"),
+        (["--train.steps"], "expected --section.key=value"),
+    ],
+)
+def test_errors_name_the_key_and_expectation(overrides, fragment):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    message = str(e.value)
+    assert fragment in message
+    assert "\n" not in message
+
+
+def test_yaml_errors(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found: .*missing.yaml"):
+        load_config(tmp_path / "missing.yaml")
+    bad = write(tmp_path, "train:\n  steps: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"malformed YAML at line \d+, column \d+"):
+        load_config(bad)
+    top = write(tmp_path, "- a\n- b\n", "list.yaml")
+    with pytest.raises(ConfigError, match="expected a mapping of sections at the top level"):
+        load_config(top)
+    section = write(tmp_path, "train: 5\n", "section.yaml")
+    with pytest.raises(ConfigError, match="train: expected a mapping of keys"):
+        load_config(section)
+    unknown = write(tmp_path, "train:\n  stpes: 5\n", "unknown.yaml")
+    with pytest.raises(ConfigError, match="unknown config key 'train.stpes'"):
+        load_config(unknown)
+
+
+def test_empty_yaml_is_defaults(tmp_path):
+    assert load_config(write(tmp_path, "")) == ExperimentConfig()
+
+
+def test_every_field_is_documented():
+    def walk(cls, prefix=""):
+        docs = field_docs(cls)
+        for f in dataclasses.fields(cls):
+            assert docs.get(f.name), f"{prefix}{f.name} has no docstring"
+            if dataclasses.is_dataclass(f.type) or isinstance(f.default_factory, type):
+                sub = f.default_factory if isinstance(f.default_factory, type) else None
+                if sub is not None and dataclasses.is_dataclass(sub):
+                    walk(sub, f"{prefix}{f.name}.")
+
+    walk(ExperimentConfig)
+    rows = describe(ExperimentConfig())
+    assert ("train.steps", 200, "Total optimizer steps (a resumed run continues up to this count).") in rows
+
+
+def test_written_config_round_trips(tmp_path):
+    cfg = load_config(QUICKSTART, ["--train.steps=3", "--model.mlp_dims=[16]"])
+    out = tmp_path / "config.yaml"
+    write_config(cfg, str(out))
+    assert load_config(out) == cfg
+    assert yaml.safe_load(dump_yaml(cfg))["train"]["steps"] == 3
