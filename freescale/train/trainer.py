@@ -222,7 +222,7 @@ def _write_json(path: str, data: dict) -> None:
 
 def _quiet_third_party_logs() -> None:
     """TorchRec's planner and pipelines log at INFO/WARNING on every start; keep the console ours."""
-    for name in ("torchrec", "torch.distributed", "fbgemm_gpu"):
+    for name in ("torchrec", "torch.distributed", "torch.fx", "fbgemm_gpu"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module="torchrec")
     warnings.filterwarnings("ignore", category=UserWarning, module="torchrec")
