@@ -192,6 +192,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class ProfileConfig:
+    enable: bool = False
+    """Record per-rank step timelines and write the bubble report at the end of training."""
+    warmup_steps: Annotated[int, NonNegative] = 5
+    """Steps left out of the report's means (start-up, first allocations)."""
+    gantt_steps: Annotated[int, Positive] = 6
+    """Steps shown in the report's per-rank Gantt chart (the last ones recorded)."""
+    torch_trace_steps: list[int] = field(default_factory=list)
+    """[first, last] steps to capture with torch.profiler into profile/trace_rank<r>.json; empty = off."""
+    delay_ranks: list[int] = field(default_factory=list)
+    """Straggler injection: ranks whose compute is delayed every step (to validate profiling)."""
+    delay_ms: Annotated[float, Range(min=0.0)] = 0.0
+    """Straggler injection: busy compute added to each delayed rank's forward, per step."""
+
+
+@dataclass
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
     """Run identity, folder, device and logging."""
@@ -205,6 +221,8 @@ class ExperimentConfig:
     """The training loop."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Saving and resuming with torch.distributed.checkpoint."""
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    """Bubble profiling: step timelines, the report, straggler injection."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,6 +450,11 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
             raise ConfigError("data.ratings.path: required when data.source is ratings")
         if not os.path.isfile(d.ratings.path):
             raise ConfigError(f"data.ratings.path: file not found: {d.ratings.path}")
+    trace = cfg.profile.torch_trace_steps
+    if trace and (len(trace) != 2 or trace[0] < 1 or trace[1] < trace[0]):
+        raise ConfigError(f"profile.torch_trace_steps: expected [first, last] with 1 <= first <= last, got {trace}")
+    if any(r < 0 for r in cfg.profile.delay_ranks):
+        raise ConfigError(f"profile.delay_ranks: expected rank numbers >= 0, got {cfg.profile.delay_ranks}")
     if cfg.checkpoint.resume and not os.path.isdir(cfg.checkpoint.resume):
         raise ConfigError(f"checkpoint.resume: folder not found: {cfg.checkpoint.resume}")
 

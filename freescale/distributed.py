@@ -8,6 +8,7 @@ which case a one-rank gloo group over an in-process store is created so the rest
 from __future__ import annotations
 
 import datetime
+import time
 import os
 from dataclasses import dataclass
 
@@ -81,3 +82,24 @@ def broadcast_object(obj, src: int = 0):
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def estimate_clock_offset(rounds: int = 5) -> float:
+    """Seconds to add to this rank's ``time.time()`` to read rank 0's clock.
+
+    Ranks on rank 0's host share its clock (offset 0). Others take the median, over a few
+    rounds, of the difference between rank 0's and their own clock right after a barrier;
+    the estimate is good to about one barrier's latency.
+    """
+    world = dist.get_world_size()
+    hosts = [None] * world
+    dist.all_gather_object(hosts, os.uname().nodename)
+    diffs = []
+    for _ in range(rounds):
+        dist.barrier()
+        stamps = [None] * world
+        dist.all_gather_object(stamps, time.time())
+        diffs.append(stamps[0] - stamps[dist.get_rank()])
+    if hosts[dist.get_rank()] == hosts[0]:
+        return 0.0
+    return float(sorted(diffs)[len(diffs) // 2])

@@ -14,6 +14,7 @@ history), an MLP head on [candidate, attended, candidate * attended, user], and 
 from __future__ import annotations
 
 from functools import partial
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -29,6 +30,17 @@ from freescale.model.jagged_attention import JaggedLayout, offsets_of
 
 ITEM_TABLE = "item_table"
 USER_TABLE = "user_table"
+
+
+class StepOutput(NamedTuple):
+    """What a forward pass reports besides the loss (pipelines return it from ``progress``)."""
+
+    loss: torch.Tensor
+    logits: torch.Tensor
+    labels: torch.Tensor
+    sample_ids: torch.Tensor
+    uih_lengths: torch.Tensor
+    batch_index: torch.Tensor
 
 
 class EncoderLayer(nn.Module):
@@ -96,14 +108,13 @@ class SeqRecTask(nn.Module):
             features.append(torch.repeat_interleave(user[USER_FEATURE], cand_counts, dim=0))
         logits = self.head(torch.cat(features, dim=-1)).squeeze(-1)
         loss = F.binary_cross_entropy_with_logits(logits, labels)
-        return loss, (loss.detach(), logits.detach(), labels, sample_ids, batch_index)
+        return loss, StepOutput(loss.detach(), logits.detach(), labels, sample_ids, uih_lengths, batch_index)
 
 
 class SeqRecModel(nn.Module):
     """Routes a ``Batch`` through the embedding modules into ``SeqRecTask``.
 
-    Returns ``(loss, (loss, logits, labels, sample_ids, batch_index))`` as TorchRec's
-    pipelines expect ``(losses, output)``.
+    Returns ``(loss, StepOutput)`` as TorchRec's pipelines expect ``(losses, output)``.
     """
 
     def __init__(self, cfg: ModelConfig, emb: EmbeddingSettings, *, num_items: int, max_uih_len: int,

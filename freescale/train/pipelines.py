@@ -70,16 +70,33 @@ def _original_forwards(inner):
             d.forward = f
 
 
-def _sparse_dist(model, optimizer, device) -> TrainPipelineSparseDist:
-    return TrainPipelineSparseDist(model, optimizer, device, execute_all_batches=False)
+class _ProfiledSparseDist(TrainPipelineSparseDist):
+    """TrainPipelineSparseDist that marks its input-distribution calls on the timeline."""
+
+    def __init__(self, *args, timeline, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._timeline = timeline
+
+    def start_sparse_data_dist(self, *args, **kwargs):
+        with self._timeline.span("input_dist"):
+            return super().start_sparse_data_dist(*args, **kwargs)
+
+    def wait_sparse_data_dist(self, *args, **kwargs):
+        with self._timeline.span("input_dist"):
+            return super().wait_sparse_data_dist(*args, **kwargs)
 
 
-def _base(model, optimizer, device) -> TrainPipelineBase:
+def _sparse_dist(model, optimizer, device, timeline) -> TrainPipelineSparseDist:
+    return _ProfiledSparseDist(model, optimizer, device, execute_all_batches=False, timeline=timeline)
+
+
+def _base(model, optimizer, device, timeline) -> TrainPipelineBase:
     return TrainPipelineBase(model, optimizer, device)
 
 
 PIPELINES: dict[str, Callable] = {"sparse_dist": _sparse_dist, "base": _base}
 
 
-def build_pipeline(name: str, model: torch.nn.Module, optimizer, device: torch.device) -> Pipeline:
-    return Pipeline(PIPELINES[name](model, optimizer, device), model)
+def build_pipeline(name: str, model: torch.nn.Module, optimizer, device: torch.device, timeline) -> Pipeline:
+    """The named pipeline; ``timeline`` receives its phase spans (a NullTimeline when not profiling)."""
+    return Pipeline(PIPELINES[name](model, optimizer, device, timeline), model)

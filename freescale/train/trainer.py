@@ -25,6 +25,9 @@ from freescale.distributed import Topology
 from freescale.logging import setup_logging
 from freescale.model.seqrec import SeqRecModel
 from freescale.model.sharding import build_optimizer, init_dense_state, shard_model
+from freescale.profile.report import write_report
+from freescale.profile.straggler import inject_delay
+from freescale.profile.timeline import build_timeline, instrument_phases
 from freescale.train.checkpoint import Checkpointer, resolve_checkpoint, run_dir_of
 from freescale.train.metrics import MetricsLog, auc, log_loss, normalized_entropy, read_metrics
 from freescale.train.pipelines import Pipeline, build_pipeline
@@ -101,17 +104,24 @@ def train(cfg: ExperimentConfig) -> dict:
         log.info(f"resumed from {resume_from} at step {state.step}")
     loader.load_state_dict({"next_batch": state.next_batch})
 
+    # Profiling: per-step timelines (a NullTimeline when off), phase spans, straggler injection.
+    timeline = build_timeline(cfg.profile, run_dir, rank=topo.rank, world_size=topo.world_size, threads=threads)
+    inject_delay(model, timeline, rank=topo.rank, ranks=cfg.profile.delay_ranks, delay_ms=cfg.profile.delay_ms)
+    instrument_phases(timeline, model, optimizer)
+
     # The loop.
-    pipeline = build_pipeline(cfg.train.pipeline, model, optimizer, device)
-    batches = iter(loader)
+    pipeline = build_pipeline(cfg.train.pipeline, model, optimizer, device, timeline)
+    batches = timeline.timed_batches(iter(loader))
     window = StepWindow()
     started = time.perf_counter()
     first_step = state.step
     while state.step < cfg.train.steps:
-        loss, _, _, sample_ids, batch_index = pipeline.progress(batches)
+        timeline.begin_step(state.step + 1)
+        out = pipeline.progress(batches)
         state.step += 1
-        state.next_batch = BatchLoader.cursor_after(batch_index.item())["next_batch"]
-        window.add(loss, len(sample_ids))
+        timeline.end_step(state.step, out)
+        state.next_batch = BatchLoader.cursor_after(out.batch_index.item())["next_batch"]
+        window.add(out.loss, len(out.sample_ids))
         if _due(state.step, cfg.run.log_every, cfg.train.steps):
             window = _log_progress(state.step, window, metrics, log)
         if _due(state.step, cfg.train.eval_every, cfg.train.steps):
@@ -132,6 +142,10 @@ def train(cfg: ExperimentConfig) -> dict:
         summary.update(_evaluate(pipeline, held_out, log, state.step))
     else:
         summary.update(_last_eval(run_dir) if topo.is_main else {})
+    timeline.finish()
+    dist.barrier()
+    if topo.is_main and cfg.profile.enable and state.step > first_step:
+        summary["bubbles"] = _write_bubble_report(run_dir, cfg, log)
     if topo.is_main:
         _write_json(os.path.join(run_dir, "summary.json"), summary)
     dist.barrier()
@@ -167,9 +181,9 @@ def _evaluate(pipeline: Pipeline, held_out: list, log: logging.Logger, step: int
     logits, labels = [], []
     with pipeline.evaluating() as model:
         for batch in held_out:
-            _, (_, batch_logits, batch_labels, _, _) = model(batch)
-            logits.append(batch_logits.float().cpu())
-            labels.append(batch_labels.float().cpu())
+            _, out = model(batch)
+            logits.append(out.logits.float().cpu())
+            labels.append(out.labels.float().cpu())
     local = (torch.cat(logits).numpy(), torch.cat(labels).numpy()) if logits else (np.zeros(0), np.zeros(0))
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
@@ -206,6 +220,16 @@ def _prepare_run_dir(cfg: ExperimentConfig, topo: Topology, resume_from: str) ->
         os.makedirs(path, exist_ok=True)
         write_config(cfg, os.path.join(path, "config.yaml"))
     return distributed.broadcast_object(path)
+
+
+def _write_bubble_report(run_dir: str, cfg: ExperimentConfig, log: logging.Logger) -> dict:
+    path = write_report(run_dir, warmup_steps=cfg.profile.warmup_steps, gantt_steps=cfg.profile.gantt_steps)
+    with open(path) as f:
+        summary = json.load(f)["summary"]
+    log.info(f"bubbles: fraction {summary['bubble_fraction']:.3f} | straggler {summary['straggler_pct']:.1f}% | "
+             f"exposed comm {summary['exposed_comm_ms_per_step']:.1f} ms/step | data wait "
+             f"{summary['data_wait_ms_per_step']:.1f} ms/step -> {os.path.dirname(path)}/report.html")
+    return summary
 
 
 def _last_eval(run_dir: str) -> dict:

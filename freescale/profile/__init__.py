@@ -1,0 +1,1 @@
+"""Bubble profiling: step timelines, their decomposition, and the report."""

@@ -1,0 +1,121 @@
+"""Bubble arithmetic on step records (pure; see DESIGN.md "Measures").
+
+Per rank ``r`` and step, from a record (``start``, ``end``, main-thread ``cpu``, ``data``
+spans and their ``data_cpu``):
+
+- ``T`` = end - start (step wall time);
+- ``D`` = time in ``data`` spans (waiting for the loader);
+- ``C`` = cpu - data_cpu (own compute: the CPU the rank spent outside data loading);
+- ``W`` = T - C - D (blocked in communication);
+- compute end = start + D + C: when ``r`` would be done if it never waited for anyone;
+- straggler bubble = max over peers of their compute end minus ``r``'s, within ``W``;
+- exposed communication = W - straggler bubble.
+
+Per run: bubble fraction = mean of (T - C) / T over ranks and steps after warm-up (with
+p50/p90/max); straggler % = mean straggler bubble / mean step time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+
+@dataclass
+class RankStep:
+    rank: int
+    step: int
+    start: float
+    T: float
+    C: float
+    D: float
+    W: float
+    straggler: float
+    exposed: float
+    uih_tokens: int
+
+    @property
+    def bubble_fraction(self) -> float:
+        return (self.T - self.C) / self.T if self.T > 0 else 0.0
+
+
+def _data_time(record: dict) -> float:
+    return sum(t1 - t0 for kind, t0, t1 in record.get("spans", []) if kind == "data")
+
+
+def decompose(steps_by_rank: dict[int, list[dict]]) -> list[RankStep]:
+    """Decompose every step that all ranks recorded."""
+    by_step = {r: {rec["step"]: rec for rec in recs} for r, recs in steps_by_rank.items()}
+    common = sorted(set.intersection(*(set(s) for s in by_step.values()))) if by_step else []
+    out = []
+    for step in common:
+        rows = []
+        for rank in sorted(by_step):
+            rec = by_step[rank][step]
+            T = max(rec["end"] - rec["start"], 0.0)
+            D = min(_data_time(rec), T)
+            C = min(max(rec["cpu"] - rec.get("data_cpu", 0.0), 0.0), T - D)
+            rows.append((rank, rec, T, C, D, rec["start"] + D + C))
+        last_end = max(r[5] for r in rows)
+        for rank, rec, T, C, D, compute_end in rows:
+            W = T - C - D
+            straggler = min(max(last_end - compute_end, 0.0), W)
+            out.append(RankStep(rank=rank, step=step, start=rec["start"], T=T, C=C, D=D, W=W,
+                                straggler=straggler, exposed=W - straggler, uih_tokens=rec.get("uih_tokens", 0)))
+    return out
+
+
+def _ms(x: float) -> float:
+    return round(1000.0 * float(x), 3)
+
+
+def summarize(rank_steps: list[RankStep], warmup_steps: int = 0) -> dict:
+    """Run summary and per-rank per-step means (milliseconds) over the steps after warm-up."""
+    kept = [s for s in rank_steps if s.step > warmup_steps] or list(rank_steps)
+    if not kept:
+        raise ValueError("no complete steps to summarize")
+    arr = lambda f: np.array([f(s) for s in kept], dtype=np.float64)
+    T, C, D, S, E = arr(lambda s: s.T), arr(lambda s: s.C), arr(lambda s: s.D), arr(lambda s: s.straggler), arr(lambda s: s.exposed)
+    bubble = arr(lambda s: s.bubble_fraction)
+    ranks = sorted({s.rank for s in kept})
+    steps = sorted({s.step for s in kept})
+    summary = {
+        "bubble_fraction": round(float(bubble.mean()), 6),
+        "bubble_fraction_p50": round(float(np.percentile(bubble, 50)), 6),
+        "bubble_fraction_p90": round(float(np.percentile(bubble, 90)), 6),
+        "bubble_fraction_max": round(float(bubble.max()), 6),
+        "straggler_pct": round(100.0 * float(S.mean() / T.mean()), 4),
+        "exposed_comm_ms_per_step": _ms(E.mean()),
+        "data_wait_ms_per_step": _ms(D.mean()),
+        "straggler_bubble_ms_per_step": _ms(S.mean()),
+        "straggler_bubble_ms_p50": _ms(np.percentile(S, 50)),
+        "straggler_bubble_ms_p90": _ms(np.percentile(S, 90)),
+        "straggler_bubble_ms_max": _ms(S.max()),
+        "step_ms": _ms(T.mean()),
+        "compute_ms_per_step": _ms(C.mean()),
+        "steps": len(steps),
+        "first_step": steps[0],
+        "last_step": steps[-1],
+        "warmup_steps": warmup_steps,
+        "ranks": len(ranks),
+    }
+    per_rank = []
+    for r in ranks:
+        mine = [s for s in kept if s.rank == r]
+        mean = lambda f: float(np.mean([f(s) for s in mine]))
+        per_rank.append({
+            "rank": r,
+            "step_ms": _ms(mean(lambda s: s.T)),
+            "compute_ms": _ms(mean(lambda s: s.C)),
+            "straggler_bubble_ms": _ms(mean(lambda s: s.straggler)),
+            "exposed_comm_ms": _ms(mean(lambda s: s.exposed)),
+            "data_wait_ms": _ms(mean(lambda s: s.D)),
+            "bubble_fraction": round(mean(lambda s: s.bubble_fraction), 6),
+            "uih_tokens_per_step": round(mean(lambda s: s.uih_tokens), 2),
+        })
+    return {"summary": summary, "per_rank": per_rank}
+
+
+def as_rows(rank_steps: list[RankStep]) -> list[dict]:
+    return [asdict(s) for s in rank_steps]

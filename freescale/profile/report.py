@@ -1,0 +1,303 @@
+"""The bubble-profiling report of a run folder: report.json, report.html and PNG plots.
+
+``write_report(run)`` reads ``<run>/profile/rank<r>.jsonl``, decomposes every step
+(``bubbles.decompose``) and writes ``<run>/report/``:
+
+- ``report.json``: ``summary`` (run means after warm-up), ``per_rank`` (per-step means in
+  milliseconds) and ``rank_steps`` (every rank-step, seconds);
+- ``gantt.png`` (per-rank phases over a window of steps), ``breakdown.png`` (where each
+  rank's step time goes), ``straggler_hist.png`` (per-step straggler bubbles),
+  ``compute_vs_workload.png`` (compute against the UIH tokens a rank trained);
+- ``report.html``: all of it in one self-contained page.
+
+``write_comparison(run_a, run_b)`` renders two runs side by side with B/A ratios.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+from freescale.profile.bubbles import as_rows, decompose, summarize  # noqa: E402
+from freescale.profile.timeline import read_timelines  # noqa: E402
+
+REPORT_DIR = "report"
+PHASE_COLORS = {
+    "data": "#9e9e9e",
+    "input_dist": "#8e44ad",
+    "forward": "#2e86de",
+    "backward": "#f39c12",
+    "optimizer": "#27ae60",
+    "injected_delay": "#e74c3c",
+}
+PART_COLORS = {"compute": "#2e86de", "straggler bubble": "#e74c3c", "exposed comm": "#8e44ad", "data wait": "#9e9e9e"}
+
+
+def analyze(run_dir: str, warmup_steps: int | None = None) -> dict:
+    """The report's data for one run (no files written)."""
+    metas, steps = read_timelines(run_dir)
+    if warmup_steps is None:
+        warmup_steps = _configured_warmup(run_dir)
+    rank_steps = decompose(steps)
+    if not rank_steps:
+        raise ValueError(f"{run_dir}: the ranks' timelines share no complete step")
+    result = summarize(rank_steps, warmup_steps)
+    result["run_dir"] = run_dir
+    result["ranks_meta"] = [metas.get(r, {}) for r in sorted(steps)]
+    result["rank_steps"] = as_rows(rank_steps)
+    result["_raw"] = steps
+    return result
+
+
+def write_report(run_dir: str, *, warmup_steps: int | None = None, gantt_steps: int = 6, out_dir: str | None = None) -> str:
+    """Write the report folder of ``run_dir``; returns the path of report.json."""
+    data = analyze(run_dir, warmup_steps)
+    out = out_dir or os.path.join(run_dir, REPORT_DIR)
+    os.makedirs(out, exist_ok=True)
+    plots = {
+        "gantt.png": _plot_gantt(data, gantt_steps),
+        "breakdown.png": _plot_breakdown(data["per_rank"], _title(run_dir)),
+        "straggler_hist.png": _plot_straggler_hist(data),
+        "compute_vs_workload.png": _plot_compute_vs_workload(data),
+    }
+    for name, fig in plots.items():
+        _save_fig(fig, os.path.join(out, name))
+    _write_text(os.path.join(out, "report.html"), _html_single(data, out, list(plots)))
+    path = os.path.join(out, "report.json")
+    _write_text(path, json.dumps(_public(data), indent=2))
+    return path
+
+
+def write_comparison(run_a: str, run_b: str, *, out_dir: str | None = None, warmup_steps: int | None = None) -> str:
+    """Side-by-side report of two runs (B against A); returns the path of compare.json."""
+    a, b = analyze(run_a, warmup_steps), analyze(run_b, warmup_steps)
+    out = out_dir or os.path.join(run_b, REPORT_DIR, f"compare-{_title(run_a)}")
+    os.makedirs(out, exist_ok=True)
+    _save_fig(_plot_breakdown(a["per_rank"], f"A: {_title(run_a)}"), os.path.join(out, "breakdown_a.png"))
+    _save_fig(_plot_breakdown(b["per_rank"], f"B: {_title(run_b)}"), os.path.join(out, "breakdown_b.png"))
+    ratios = {k: _ratio(b["summary"][k], a["summary"][k]) for k in _COMPARED}
+    comparison = {"a": _public(a), "b": _public(b), "ratio_b_over_a": ratios}
+    _write_text(os.path.join(out, "compare.html"), _html_compare(a, b, ratios, out))
+    path = os.path.join(out, "compare.json")
+    _write_text(path, json.dumps(comparison, indent=2))
+    return path
+
+
+_COMPARED = ["step_ms", "compute_ms_per_step", "bubble_fraction", "straggler_pct", "straggler_bubble_ms_per_step",
+             "exposed_comm_ms_per_step", "data_wait_ms_per_step"]
+
+
+# Plots -------------------------------------------------------------------------------------
+
+
+def _plot_gantt(data: dict, window: int):
+    raw = data["_raw"]
+    ranks = sorted(raw)
+    common = sorted(set.intersection(*({r["step"] for r in raw[k]} for k in ranks)))
+    shown = common[-window:]
+    t0 = min(rec["start"] for k in ranks for rec in raw[k] if rec["step"] in shown)
+    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.9 * len(ranks)))
+    for y, rank in enumerate(ranks):
+        for rec in (r for r in raw[rank] if r["step"] in shown):
+            ax.barh(y, 1000 * (rec["end"] - rec["start"]), left=1000 * (rec["start"] - t0), height=0.8,
+                    color="#fdecea", edgecolor="#c0392b", linewidth=0.6)
+            for kind, s, e in rec["spans"]:
+                nested = kind in ("input_dist", "injected_delay")
+                ax.barh(y + (0.2 if nested else 0), 1000 * (e - s), left=1000 * (s - t0), height=0.35 if nested else 0.6,
+                        color=PHASE_COLORS.get(kind, "#34495e"))
+            ax.text(1000 * (rec["start"] - t0), y + 0.45, f"{rec['step']}", fontsize=7, va="bottom")
+        for s in (s for s in data["rank_steps"] if s["rank"] == rank and s["step"] in shown and s["straggler"] > 0):
+            compute_end = s["start"] + s["D"] + s["C"]
+            ax.barh(y - 0.38, 1000 * s["straggler"], left=1000 * (compute_end - t0), height=0.12, color="#222222")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
+    handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="#fdecea", edgecolor="#c0392b"))
+    handles.append(plt.Rectangle((0, 0), 1, 1, color="#222222"))
+    ax.legend(handles, [*PHASE_COLORS, "step (waits sit inside the phases)", "straggler bubble (from own compute end)"],
+              ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since the window's first step (ms)")
+    ax.set_title(f"Per-rank timeline, steps {shown[0]}-{shown[-1]} (numbers: step)")
+    fig.tight_layout()
+    return fig
+
+
+def _plot_breakdown(per_rank: list[dict], title: str):
+    fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(per_rank) + 3), 4))
+    ranks = [p["rank"] for p in per_rank]
+    bottom = np.zeros(len(ranks))
+    parts = {"compute": "compute_ms", "straggler bubble": "straggler_bubble_ms", "exposed comm": "exposed_comm_ms",
+             "data wait": "data_wait_ms"}
+    for label, key in parts.items():
+        values = np.array([p[key] for p in per_rank])
+        ax.bar([str(r) for r in ranks], values, bottom=bottom, label=label, color=PART_COLORS[label])
+        bottom += values
+    ax.set_xlabel("rank")
+    ax.set_ylabel("ms per step (mean after warm-up)")
+    ax.set_title(f"Where each rank's step time goes\n{title}", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    return fig
+
+
+def _kept(data: dict) -> list[dict]:
+    warm = data["summary"]["warmup_steps"]
+    return [s for s in data["rank_steps"] if s["step"] > warm] or data["rank_steps"]
+
+
+def _plot_straggler_hist(data: dict):
+    rows = _kept(data)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    values = {r: [1000 * s["straggler"] for s in rows if s["rank"] == r] for r in sorted({s["rank"] for s in rows})}
+    top = max(max(v) for v in values.values())
+    bins = np.linspace(0, max(top, 1.0), 30)
+    for r, v in values.items():
+        ax.hist(v, bins=bins, alpha=0.6, label=f"rank {r}")
+    ax.set_xlabel("straggler bubble per step (ms)")
+    ax.set_ylabel("steps")
+    ax.set_title("Distribution of per-step straggler bubbles")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def _plot_compute_vs_workload(data: dict):
+    rows = _kept(data)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, r in enumerate(sorted({s["rank"] for s in rows})):
+        mine = [s for s in rows if s["rank"] == r]
+        x = np.array([s["uih_tokens"] for s in mine], dtype=float)
+        y = np.array([1000 * s["C"] for s in mine])
+        color = f"C{i % 10}"
+        label = f"rank {r}"
+        if len(set(x)) > 1:
+            slope, intercept = np.polyfit(x, y, 1)
+            xs = np.linspace(x.min(), x.max(), 50)
+            ax.plot(xs, slope * xs + intercept, "--", color=color, linewidth=1)
+            label += f" ({slope * 1000:.1f} ms per 1k tokens)"
+        ax.scatter(x, y, s=10, alpha=0.7, color=color, label=label)
+    ax.set_xlabel("workload: UIH tokens in the rank's batch")
+    ax.set_ylabel("own compute per step (ms)")
+    ax.set_title("Per-rank compute against per-rank workload")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+# HTML --------------------------------------------------------------------------------------
+
+_SUMMARY_LABELS = {
+    "step_ms": "step time (ms)",
+    "compute_ms_per_step": "own compute (ms/step)",
+    "bubble_fraction": "bubble fraction (T-C)/T",
+    "bubble_fraction_p50": "bubble fraction p50",
+    "bubble_fraction_p90": "bubble fraction p90",
+    "bubble_fraction_max": "bubble fraction max",
+    "straggler_pct": "straggler %",
+    "straggler_bubble_ms_per_step": "straggler bubble (ms/step)",
+    "straggler_bubble_ms_p50": "straggler bubble p50 (ms)",
+    "straggler_bubble_ms_p90": "straggler bubble p90 (ms)",
+    "straggler_bubble_ms_max": "straggler bubble max (ms)",
+    "exposed_comm_ms_per_step": "exposed communication (ms/step)",
+    "data_wait_ms_per_step": "data wait (ms/step)",
+    "steps": "steps (after warm-up)",
+    "ranks": "ranks",
+}
+_STYLE = """body{font-family:system-ui,sans-serif;margin:2em;max-width:1200px}table{border-collapse:collapse;margin:1em 0}
+td,th{border:1px solid #ccc;padding:4px 10px;text-align:right}th{background:#f4f4f4}td:first-child,th:first-child{text-align:left}
+img{max-width:100%;border:1px solid #eee;margin:0.5em 0}.pair{display:flex;gap:1em}.pair img{width:49%}"""
+
+
+def _img(path: str) -> str:
+    with open(path, "rb") as f:
+        return f'<img src="data:image/png;base64,{base64.b64encode(f.read()).decode()}">'
+
+
+def _table(header: list[str], rows: list[list]) -> str:
+    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(_fmt(c))}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _fmt(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}" if abs(v) < 1000 else f"{v:,.1f}"
+    return str(v)
+
+
+def _per_rank_table(per_rank: list[dict]) -> str:
+    cols = ["rank", "step_ms", "compute_ms", "straggler_bubble_ms", "exposed_comm_ms", "data_wait_ms", "bubble_fraction",
+            "uih_tokens_per_step"]
+    return _table(cols, [[p[c] for c in cols] for p in per_rank])
+
+
+def _html_single(data: dict, out: str, images: list[str]) -> str:
+    s = data["summary"]
+    rows = [[label, s[key]] for key, label in _SUMMARY_LABELS.items()]
+    body = [f"<h1>Bubble report: {html.escape(_title(data['run_dir']))}</h1>",
+            f"<p>Steps {s['first_step']}-{s['last_step']} after {s['warmup_steps']} warm-up steps, {s['ranks']} ranks. "
+            "Straggler bubble: time a rank waits for slower peers; exposed communication: the rest of its waiting.</p>",
+            _table(["measure", "value"], rows), "<h2>Per rank (ms per step)</h2>", _per_rank_table(data["per_rank"])]
+    body += [f"<h2>{html.escape(name[:-4].replace('_', ' '))}</h2>{_img(os.path.join(out, name))}" for name in images]
+    return _page(f"Bubble report: {_title(data['run_dir'])}", body)
+
+
+def _html_compare(a: dict, b: dict, ratios: dict, out: str) -> str:
+    rows = [[_SUMMARY_LABELS.get(k, k), a["summary"][k], b["summary"][k], ratios[k]] for k in _COMPARED]
+    body = [f"<h1>Bubble comparison</h1><p>A: {html.escape(a['run_dir'])}<br>B: {html.escape(b['run_dir'])}</p>",
+            _table(["measure", "A", "B", "B / A"], rows),
+            "<h2>Per rank, A</h2>", _per_rank_table(a["per_rank"]), "<h2>Per rank, B</h2>", _per_rank_table(b["per_rank"]),
+            f'<div class="pair">{_img(os.path.join(out, "breakdown_a.png"))}{_img(os.path.join(out, "breakdown_b.png"))}</div>']
+    return _page("Bubble comparison", body)
+
+
+def _page(title: str, body: list[str]) -> str:
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+            f"<style>{_STYLE}</style></head><body>{''.join(body)}</body></html>")
+
+
+# Helpers -----------------------------------------------------------------------------------
+
+
+def _public(data: dict) -> dict:
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def _ratio(b: float, a: float):
+    return round(b / a, 4) if a else None
+
+
+def _title(run_dir: str) -> str:
+    return os.path.basename(os.path.normpath(run_dir))
+
+
+def _configured_warmup(run_dir: str) -> int:
+    from freescale.config import ConfigError, load_config
+
+    path = os.path.join(run_dir, "config.yaml")
+    try:
+        return load_config(path).profile.warmup_steps if os.path.exists(path) else 0
+    except ConfigError:
+        return 0
+
+
+def _save_fig(fig, path: str) -> None:
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)

@@ -1,0 +1,208 @@
+"""Per-rank step timelines: what each rank did and when, one JSON line per step.
+
+A step record holds the step's wall-clock start and end (``time.time()`` plus this rank's
+clock offset, so records of ranks on different hosts line up), the CPU time the rank's main
+thread spent in the step, and spans of the phases the trainer can see:
+
+- ``data``: waiting for the loader (its CPU time is kept apart as ``data_cpu``);
+- ``forward``, ``backward``, ``optimizer``: the model's phases (backward runs from the end of
+  forward to the optimizer step, so it includes gradient reduction);
+- ``input_dist``: TorchRec's id all-to-all for the next batch (sparse-dist pipeline);
+- ``injected_delay``: straggler injection, inside forward.
+
+Compute is measured, not inferred from spans: on CPU a rank's kernels run on its main thread
+(``run.threads: 1``, what torchrun gives each rank by default) and a rank blocked in a gloo
+collective sleeps, so the main thread's CPU time is its own compute and the rest of the step
+is waiting. ``freescale.profile.bubbles`` turns the records into the bubble measures.
+
+Recording never blocks training: spans are a few ``time.time()`` calls, and each step is one
+buffered line appended to ``<run>/profile/rank<r>.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
+import torch
+
+PROFILE_DIR = "profile"
+
+
+def rank_file(run_dir: str, rank: int) -> str:
+    return os.path.join(run_dir, PROFILE_DIR, f"rank{rank}.jsonl")
+
+
+class StepTimeline:
+    """Records one rank's steps. Only the main thread records."""
+
+    def __init__(self, path: str, *, rank: int, world_size: int, clock_offset: float, threads: int,
+                 torch_trace_steps: list[int] | None = None, trace_path: str = "") -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        self.rank = rank
+        self.offset = clock_offset
+        self._file = open(path, "a", buffering=1 << 16)
+        self._write({"meta": {"rank": rank, "world_size": world_size, "clock_offset": clock_offset,
+                              "threads": threads, "host": os.uname().nodename}})
+        self._in_step = False
+        self._spans: list = []
+        self._open: dict[str, float] = {}
+        self._trace_steps = torch_trace_steps or []
+        self._trace_path = trace_path
+        self._torch_profiler = None
+
+    def now(self) -> float:
+        return time.time() + self.offset
+
+    # Steps ---------------------------------------------------------------------------------
+
+    def begin_step(self, step: int) -> None:
+        """``step`` is the number the step will have once done (1-based)."""
+        if self._trace_steps and step == self._trace_steps[0]:
+            self._torch_profiler = torch.profiler.profile(record_shapes=False)
+            self._torch_profiler.__enter__()
+        self._spans = []
+        self._open = {}
+        self._data_cpu = 0.0
+        self._in_step = True
+        self._cpu0 = time.thread_time()
+        self._start = self.now()
+
+    def end_step(self, step: int, output) -> None:
+        end = self.now()
+        cpu = time.thread_time() - self._cpu0
+        self._in_step = False
+        self._write({
+            "step": step, "start": self._start, "end": end, "cpu": cpu, "data_cpu": self._data_cpu,
+            "spans": self._spans, "samples": int(output.sample_ids.numel()),
+            "uih_tokens": int(output.uih_lengths.sum()),
+        })
+        if self._torch_profiler is not None and step == self._trace_steps[1]:
+            self._torch_profiler.__exit__(None, None, None)
+            self._torch_profiler.export_chrome_trace(self._trace_path)
+            self._torch_profiler = None
+
+    # Spans ---------------------------------------------------------------------------------
+
+    def open(self, kind: str) -> None:
+        if self._in_step:
+            self._open[kind] = self.now()
+
+    def close(self, kind: str) -> None:
+        start = self._open.pop(kind, None)
+        if start is not None:
+            self._spans.append([kind, start, self.now()])
+
+    @contextmanager
+    def span(self, kind: str):
+        self.open(kind)
+        try:
+            yield
+        finally:
+            self.close(kind)
+
+    def timed_batches(self, batches: Iterator) -> Iterator:
+        """Wrap the loader iterator: time in ``next()`` is the ``data`` span."""
+        for_cpu = time.thread_time
+        while True:
+            cpu0 = for_cpu()
+            self.open("data")
+            try:
+                batch = next(batches)
+            finally:
+                self.close("data")
+                self._data_cpu += for_cpu() - cpu0
+            yield batch
+
+    def finish(self) -> None:
+        self._file.close()
+
+    def _write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+
+
+class NullTimeline:
+    """Profiling disabled: every call does nothing."""
+
+    rank = 0
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def end_step(self, step: int, output) -> None:
+        pass
+
+    def open(self, kind: str) -> None:
+        pass
+
+    def close(self, kind: str) -> None:
+        pass
+
+    def span(self, kind: str):
+        return nullcontext()
+
+    def timed_batches(self, batches: Iterator) -> Iterator:
+        return batches
+
+    def finish(self) -> None:
+        pass
+
+
+def instrument_phases(timeline, model: torch.nn.Module, optimizer) -> None:
+    """Forward / backward / optimizer spans from module hooks and the optimizer's step."""
+    model.register_forward_pre_hook(lambda *_: timeline.open("forward"))
+
+    def after_forward(*_):
+        timeline.close("forward")
+        timeline.open("backward")
+
+    model.register_forward_hook(after_forward)
+    step = optimizer.step
+
+    def timed_step(*args, **kwargs):
+        timeline.close("backward")
+        with timeline.span("optimizer"):
+            return step(*args, **kwargs)
+
+    optimizer.step = timed_step
+
+
+def read_timelines(run_dir: str) -> tuple[dict[int, dict], dict[int, list[dict]]]:
+    """(meta by rank, step records by rank) from a run folder's profile/rank<r>.jsonl files."""
+    folder = os.path.join(run_dir, PROFILE_DIR)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"no step timelines in {run_dir} (expected {folder}/rank<r>.jsonl; "
+                                "train with profile.enable=true)")
+    metas, steps = {}, {}
+    for name in sorted(os.listdir(folder)):
+        if not (name.startswith("rank") and name.endswith(".jsonl")):
+            continue
+        rank = int(name[4:-6])
+        records = steps.setdefault(rank, [])
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+                if "meta" in rec:
+                    metas[rank] = rec["meta"]
+                    records.clear()  # a resumed run appends; keep the latest launch
+                else:
+                    records.append(rec)
+    if not steps:
+        raise FileNotFoundError(f"no step timelines in {folder}")
+    return metas, steps
+
+
+def build_timeline(cfg, run_dir: str, *, rank: int, world_size: int, threads: int):
+    """A StepTimeline for this rank when ``profile.enable``, else a NullTimeline."""
+    if not cfg.enable:
+        return NullTimeline()
+    from freescale.distributed import estimate_clock_offset
+
+    trace = os.path.join(run_dir, PROFILE_DIR, f"trace_rank{rank}.json")
+    return StepTimeline(rank_file(run_dir, rank), rank=rank, world_size=world_size, clock_offset=estimate_clock_offset(),
+                        threads=threads, torch_trace_steps=cfg.torch_trace_steps, trace_path=trace)

@@ -1,0 +1,59 @@
+"""Profiling on real 2-rank jobs, with straggler injection as ground truth."""
+
+import json
+
+import pytest
+
+from helpers.launch import FAST, QUICKSTART, check, freescale, torchrun
+
+pytestmark = pytest.mark.slow
+
+EVEN = ["--data.synthetic.tail_prob=0", "--data.synthetic.sigma=0.1", "--profile.enable=true",
+        "--profile.warmup_steps=3", "--train.steps=15", "--checkpoint.at_end=false"]
+
+
+def profiled_run(tmp_path, name, *extra):
+    run_dir = tmp_path / name
+    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *EVEN, f"--run.dir={run_dir}", *extra))
+    return run_dir
+
+
+def per_rank(run_dir):
+    report = json.loads((run_dir / "report" / "report.json").read_text())
+    return report, {p["rank"]: p for p in report["per_rank"]}
+
+
+def test_injected_straggler_is_measured_and_compared(tmp_path):
+    delayed = profiled_run(tmp_path, "delayed", "--profile.delay_ranks=[1]", "--profile.delay_ms=200")
+    report, ranks = per_rank(delayed)
+    assert abs(ranks[0]["straggler_bubble_ms"] - 200.0) <= 0.25 * 200.0, ranks
+    assert ranks[1]["straggler_bubble_ms"] < 20.0, ranks
+    assert ranks[1]["compute_ms"] > ranks[0]["compute_ms"] + 150.0, ranks
+    assert report["summary"]["steps"] == 12 and report["summary"]["ranks"] == 2
+    for name in ("report.html", "gantt.png", "breakdown.png", "straggler_hist.png", "compute_vs_workload.png"):
+        assert (delayed / "report" / name).stat().st_size > 1000, name
+    timeline = (delayed / "profile" / "rank1.jsonl").read_text().splitlines()
+    assert "injected_delay" in timeline[-1]
+
+    even = profiled_run(tmp_path, "even", "--profile.torch_trace_steps=[5,6]")
+    _, ranks = per_rank(even)
+    assert ranks[0]["straggler_bubble_ms"] < 20.0 and ranks[1]["straggler_bubble_ms"] < 20.0, ranks
+    trace = json.loads((even / "profile" / "trace_rank0.json").read_text())
+    assert trace["traceEvents"], "torch.profiler trace of steps 5-6 is empty"
+
+    proc = check(freescale("report", str(even), str(delayed), timeout=120))
+    compare = json.loads((delayed / "report" / "compare-even" / "compare.json").read_text())
+    assert "compare.json" in proc.stdout
+    ratio = compare["ratio_b_over_a"]["straggler_bubble_ms_per_step"]
+    assert ratio > 5, compare["ratio_b_over_a"]
+    assert (delayed / "report" / "compare-even" / "compare.html").exists()
+
+
+def test_report_errors_exit_2(tmp_path):
+    proc = freescale("report", str(tmp_path / "nope"), timeout=60)
+    assert proc.returncode == 2 and "run folder not found" in proc.stderr
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    proc = freescale("report", str(empty), timeout=60)
+    assert proc.returncode == 2 and "no step timelines" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

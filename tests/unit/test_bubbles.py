@@ -1,0 +1,84 @@
+"""The bubble arithmetic on hand-built timelines (seconds)."""
+
+import math
+
+import pytest
+
+from freescale.profile.bubbles import decompose, summarize
+
+
+def rec(step, start, end, cpu, data=(), data_cpu=0.0):
+    spans = [["data", s, e] for s, e in data]
+    return {"step": step, "start": start, "end": end, "cpu": cpu, "data_cpu": data_cpu, "spans": spans, "uih_tokens": 10}
+
+
+def by(rank_steps):
+    return {(s.rank, s.step): s for s in rank_steps}
+
+
+def close(a, b):
+    return math.isclose(a, b, abs_tol=1e-9)
+
+
+def test_balanced_ranks_have_no_bubble():
+    steps = by(decompose({0: [rec(1, 0.0, 0.1, 0.1)], 1: [rec(1, 0.0, 0.1, 0.1)]}))
+    for r in (0, 1):
+        s = steps[(r, 1)]
+        assert close(s.C, 0.1) and close(s.W, 0.0) and close(s.straggler, 0.0) and close(s.exposed, 0.0)
+
+
+def test_slow_peer_then_slow_transfer():
+    # Rank 0 computes 50 ms, rank 1 150 ms; then both wait 30 ms more for the transfer.
+    steps = by(decompose({0: [rec(1, 0.0, 0.180, 0.050)], 1: [rec(1, 0.0, 0.180, 0.150)]}))
+    fast, slow = steps[(0, 1)], steps[(1, 1)]
+    assert close(fast.W, 0.130) and close(fast.straggler, 0.100) and close(fast.exposed, 0.030)
+    assert close(slow.W, 0.030) and close(slow.straggler, 0.0) and close(slow.exposed, 0.030)
+    assert close(fast.bubble_fraction, 0.130 / 0.180)
+
+
+def test_a_rank_waiting_for_data_is_the_straggler_of_its_peers():
+    # Rank 1 waits 80 ms for its loader (10 ms of it on CPU), then computes 40 ms; rank 0 computes 40 ms.
+    r1 = rec(1, 0.0, 0.125, cpu=0.050, data=[(0.0, 0.080)], data_cpu=0.010)
+    r0 = rec(1, 0.0, 0.125, cpu=0.040)
+    steps = by(decompose({0: [r0], 1: [r1]}))
+    loader_bound, peer = steps[(1, 1)], steps[(0, 1)]
+    assert close(loader_bound.D, 0.080) and close(loader_bound.C, 0.040)
+    assert close(loader_bound.straggler, 0.0) and close(loader_bound.exposed, 0.005)
+    assert close(peer.D, 0.0) and close(peer.straggler, 0.080) and close(peer.exposed, 0.005)
+
+
+def test_clock_offsets_and_unaligned_starts():
+    # Rank 1 starts 20 ms later (its clock already corrected) and computes as long: it is 20 ms behind.
+    steps = by(decompose({0: [rec(1, 1.000, 1.100, 0.060)], 1: [rec(1, 1.020, 1.100, 0.060)]}))
+    assert close(steps[(0, 1)].straggler, 0.020)
+    assert close(steps[(1, 1)].straggler, 0.0)
+
+
+def test_straggler_bubble_is_capped_by_waiting():
+    # Rank 0 ends its step before rank 1 finishes computing (no collective in between): no wait to blame.
+    steps = by(decompose({0: [rec(1, 0.0, 0.050, 0.050)], 1: [rec(1, 0.0, 0.200, 0.200)]}))
+    assert close(steps[(0, 1)].straggler, 0.0)
+
+
+def test_only_steps_all_ranks_recorded_are_decomposed():
+    out = decompose({0: [rec(1, 0, 1, 1), rec(2, 1, 2, 1)], 1: [rec(2, 1, 2, 1)]})
+    assert sorted({s.step for s in out}) == [2]
+
+
+def test_summary_means_after_warmup():
+    timelines = {
+        0: [rec(1, 0.0, 1.0, 0.1)] + [rec(s, s - 1.0, s - 0.8, 0.05) for s in (2, 3)],
+        1: [rec(1, 0.0, 1.0, 0.1)] + [rec(s, s - 1.0, s - 0.8, 0.15) for s in (2, 3)],
+    }
+    result = summarize(decompose(timelines), warmup_steps=1)
+    s = result["summary"]
+    assert s["steps"] == 2 and s["ranks"] == 2 and s["first_step"] == 2
+    assert s["step_ms"] == pytest.approx(200.0)
+    # Rank 0 waits 100 ms for rank 1 each step: mean straggler 50 ms over a 200 ms step.
+    assert s["straggler_bubble_ms_per_step"] == pytest.approx(50.0)
+    assert s["straggler_pct"] == pytest.approx(25.0)
+    assert s["exposed_comm_ms_per_step"] == pytest.approx(50.0)  # both ranks wait 50 ms beyond the straggler
+    assert s["bubble_fraction"] == pytest.approx(((0.15 / 0.2) + (0.05 / 0.2)) / 2)
+    per_rank = {p["rank"]: p for p in result["per_rank"]}
+    assert per_rank[0]["straggler_bubble_ms"] == pytest.approx(100.0) and per_rank[1]["straggler_bubble_ms"] == 0
+    assert per_rank[0]["compute_ms"] == pytest.approx(50.0) and per_rank[1]["exposed_comm_ms"] == pytest.approx(50.0)
