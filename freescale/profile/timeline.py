@@ -197,11 +197,18 @@ def read_timelines(run_dir: str) -> tuple[dict[int, dict], dict[int, list[dict]]
     return metas, steps
 
 
-def build_timeline(cfg, run_dir: str, *, rank: int, world_size: int, threads: int):
+def build_timeline(cfg, run_dir: str, *, rank: int, world_size: int, threads: int, device_type: str):
     """A StepTimeline for this rank when ``profile.enable``, else a NullTimeline."""
     if not cfg.enable:
         return NullTimeline()
     from freescale.distributed import estimate_clock_offset
+    from freescale.logging import get_logger
+
+    if threads > 1:
+        get_logger().warning(f"profile: compute is the main thread's CPU time; with {threads} intra-op threads "
+                             "per rank it misses the others' work (set run.threads=1 for exact bubbles)")
+    if device_type == "cuda":
+        get_logger().warning("profile: compute is not yet read from CUDA events; bubbles count host time as compute")
 
     trace = os.path.join(run_dir, PROFILE_DIR, f"trace_rank{rank}.json")
     return StepTimeline(rank_file(run_dir, rank), rank=rank, world_size=world_size, clock_offset=estimate_clock_offset(),

@@ -105,7 +105,8 @@ def train(cfg: ExperimentConfig) -> dict:
     loader.load_state_dict({"next_batch": state.next_batch})
 
     # Profiling: per-step timelines (a NullTimeline when off), phase spans, straggler injection.
-    timeline = build_timeline(cfg.profile, run_dir, rank=topo.rank, world_size=topo.world_size, threads=threads)
+    timeline = build_timeline(cfg.profile, run_dir, rank=topo.rank, world_size=topo.world_size, threads=threads,
+                              device_type=device.type)
     inject_delay(model, timeline, rank=topo.rank, ranks=cfg.profile.delay_ranks, delay_ms=cfg.profile.delay_ms)
     instrument_phases(timeline, model, optimizer)
 
