@@ -2,6 +2,8 @@
 
     freescale train  --config PATH [--section.key=value ...]
     freescale report RUN_DIR [RUN_DIR_B]                          bubble report (or B against A)
+    freescale calibrate --config PATH [--out PATH]               fit the per-sample cost model
+    freescale balance --lengths X.npy --ranks N [--partition P]  partition quality of a global batch
     freescale config [--config PATH] [--section.key=value ...]   print the resolved config
 
 Bad input (unknown key, wrong type, out-of-range value, missing file, malformed YAML) exits
@@ -30,6 +32,17 @@ def _parser() -> argparse.ArgumentParser:
     report.add_argument("--out", help="output folder (default: RUN/report, or RUN_B/report/compare-<A>)")
     report.add_argument("--warmup-steps", type=int, help="steps left out of the means (default: the run's profile.warmup_steps)")
     report.add_argument("--gantt-steps", type=int, default=6, help="steps shown in the Gantt chart")
+    bal = sub.add_parser("balance", help="partition a global batch of UIH lengths and report each partition's imbalance")
+    bal.add_argument("--lengths", required=True, help=".npy file: 1-D UIH lengths of a global batch, in time order")
+    bal.add_argument("--candidates", help=".npy file: candidate counts per sample (default: 1 each)")
+    bal.add_argument("--ranks", type=int, required=True, help="ranks to partition across")
+    bal.add_argument("--partition", default="all", help="a partition name, or all")
+    bal.add_argument("--cost-model", default="", help="cost model JSON (default: the built-in model)")
+    bal.add_argument("--json", action="store_true", help="print one JSON object keyed by partition")
+    cal = sub.add_parser("calibrate", help="fit the per-sample cost model on this machine")
+    cal.add_argument("--config", required=True, help="experiment YAML file (the model to measure)")
+    cal.add_argument("--out", default="", help="where to write the cost model JSON (default: <run.out_dir>/cost_model-<run.name>.json)")
+    cal.add_argument("--repeats", type=int, default=5, help="timed repetitions per grid point")
     show = sub.add_parser("config", help="print the resolved config (or every key with its docs)")
     show.add_argument("--config", help="experiment YAML file")
     show.add_argument("--keys", action="store_true", help="list every key with its default and description")
@@ -79,18 +92,85 @@ def _report(args) -> None:
     print(f"wrote {path}")
 
 
+def _load_array(path: str, what: str):
+    import numpy as np
+
+    if not os.path.isfile(path):
+        _fail(f"{what} file not found: {path}")
+    try:
+        arr = np.load(path, allow_pickle=False)
+    except (ValueError, OSError) as e:
+        _fail(f"{path}: not a .npy array ({str(e).splitlines()[0]})")
+    if arr.ndim != 1:
+        _fail(f"{path}: expected a 1-D array of {what}, got shape {arr.shape}")
+    if arr.size and (not np.issubdtype(arr.dtype, np.number) or (arr < 0).any()):
+        _fail(f"{path}: {what} must be numbers >= 0")
+    return arr
+
+
+def _balance(args) -> None:
+    import json
+
+    import numpy as np
+
+    from freescale.balance.cost import CostModelError, load_cost_model
+    from freescale.balance.partition import PARTITIONS, evaluate
+
+    lengths = _load_array(args.lengths, "UIH lengths")
+    candidates = _load_array(args.candidates, "candidate counts") if args.candidates else np.ones_like(lengths)
+    if len(candidates) != len(lengths):
+        _fail(f"--candidates: expected {len(lengths)} values (one per sample), got {len(candidates)}")
+    if args.ranks < 1:
+        _fail(f"--ranks: expected a value >= 1, got {args.ranks}")
+    if args.ranks > len(lengths):
+        _fail(f"--ranks: {args.ranks} ranks but only {len(lengths)} samples in {args.lengths}")
+    names = sorted(PARTITIONS) if args.partition == "all" else [args.partition]
+    if names[0] not in PARTITIONS:
+        _fail(f"--partition: expected one of {', '.join(sorted(PARTITIONS))} or all; got {args.partition!r}")
+    try:
+        model = load_cost_model(args.cost_model)
+    except CostModelError as e:
+        _fail(str(e))
+    result = evaluate(model.cost(lengths, candidates), args.ranks, names)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{len(lengths)} samples on {args.ranks} ranks (lower bound on imbalance {result[names[0]]['lower_bound']:.4f})")
+    print(f"{'partition':<16}{'imbalance':>10}{'max cost':>12}{'mean cost':>12}{'counts':>12}{'ms':>9}")
+    for name, r in result.items():
+        counts = f"{r['min_count']}-{r['max_count']}"
+        print(f"{name:<16}{r['imbalance']:>10.4f}{r['max_cost']:>12.4g}{r['mean_cost']:>12.4g}{counts:>12}{1e3 * r['seconds']:>9.2f}")
+
+
+def _calibrate(args, cfg) -> None:
+    from freescale.balance.calibrate import calibrate
+
+    if args.repeats < 1:
+        _fail(f"--repeats: expected a value >= 1, got {args.repeats}")
+    out = args.out or os.path.join(cfg.run.out_dir, f"cost_model-{cfg.run.name}.json")
+    model = calibrate(cfg, repeats=args.repeats)
+    model.save(out)
+    print(f"cost(L, C) = {model.a:.4g}*L + {model.b:.4g}*L^2 + {model.c:.4g}*C + {model.d:.4g}  (seconds)")
+    print(f"fit: R^2 {model.fit['r2']:.4f}, worst relative error {100 * model.fit['worst_relative_error']:.1f}% "
+          f"over {model.fit['points']} points")
+    print(f"wrote {out}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args, extra = _parser().parse_known_args(argv)
-    if args.command == "report":
+    if args.command in ("report", "balance"):
         if extra:
             _fail(f"unrecognized argument '{extra[0]}'")
-        _report(args)
+        (_report if args.command == "report" else _balance)(args)
         return
     try:
         cfg = load_config(args.config, _split_overrides(extra))
     except ConfigError as e:
         _fail(str(e))
 
+    if args.command == "calibrate":
+        _calibrate(args, cfg)
+        return
     if args.command == "config":
         if args.keys:
             for key, value, doc in describe(cfg):
@@ -99,13 +179,14 @@ def main(argv: list[str] | None = None) -> None:
             print(dump_yaml(cfg), end="")
         return
 
+    from freescale.balance.cost import CostModelError
     from freescale.data.readers import DataError
     from freescale.train.checkpoint import CheckpointError
     from freescale.train.trainer import train
 
     try:
         train(cfg)
-    except (DataError, CheckpointError) as e:
+    except (DataError, CheckpointError, CostModelError) as e:
         _fail(str(e))
 
 

@@ -192,6 +192,22 @@ class CheckpointConfig:
 
 
 @dataclass
+class BalanceConfig:
+    enable: bool = False
+    """Re-partition every global batch across the ranks by per-sample cost (off: contiguous slices)."""
+    partition: Literal["contiguous", "zigzag", "karmarkar_karp", "vbs"] = "karmarkar_karp"
+    """Partition function; vbs gives unequal sample counts and normalizes the loss globally."""
+    cost_model: str = ""
+    """Cost model JSON from `freescale calibrate`; empty = the built-in default."""
+
+
+@dataclass
+class TransportConfig:
+    kind: Literal["torch_dist"] = "torch_dist"
+    """Transport of the balancer's sample all-to-all: torch_dist (torch.distributed collectives)."""
+
+
+@dataclass
 class ProfileConfig:
     enable: bool = False
     """Record per-rank step timelines and write the bubble report at the end of training."""
@@ -221,6 +237,10 @@ class ExperimentConfig:
     """The training loop."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """Saving and resuming with torch.distributed.checkpoint."""
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
+    """Cost-balanced samples: the run-time balancer."""
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    """How all-to-all / all-gather bytes move between ranks."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """Bubble profiling: step timelines, the report, straggler injection."""
 
@@ -455,6 +475,8 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"profile.torch_trace_steps: expected [first, last] with 1 <= first <= last, got {trace}")
     if any(r < 0 for r in cfg.profile.delay_ranks):
         raise ConfigError(f"profile.delay_ranks: expected rank numbers >= 0, got {cfg.profile.delay_ranks}")
+    if cfg.balance.cost_model and not os.path.isfile(cfg.balance.cost_model):
+        raise ConfigError(f"balance.cost_model: file not found: {cfg.balance.cost_model}")
     if cfg.checkpoint.resume and not os.path.isdir(cfg.checkpoint.resume):
         raise ConfigError(f"checkpoint.resume: folder not found: {cfg.checkpoint.resume}")
 

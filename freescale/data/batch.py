@@ -86,9 +86,11 @@ class Batch(Pipelineable):
     labels: torch.Tensor
     sample_ids: torch.Tensor
     batch_index: torch.Tensor
+    loss_scale: torch.Tensor
+    """Multiplies the local mean loss; 1 unless ranks hold unequal shares (see balance.balancer)."""
 
     @staticmethod
-    def from_samples(samples: Samples, batch_index: int, user_hash_size: int) -> "Batch":
+    def from_samples(samples: Samples, batch_index: int, user_hash_size: int, loss_scale: float = 1.0) -> "Batch":
         uih_lengths = torch.from_numpy(samples.uih_lengths)
         cand_counts = torch.from_numpy(samples.cand_counts)
         seq = KeyedJaggedTensor.from_lengths_sync(
@@ -109,6 +111,7 @@ class Batch(Pipelineable):
             labels=torch.from_numpy(samples.labels),
             sample_ids=torch.from_numpy(samples.sample_ids),
             batch_index=torch.tensor(batch_index, dtype=torch.int64),
+            loss_scale=torch.tensor(loss_scale, dtype=torch.float32),
         )
 
     def __len__(self) -> int:

@@ -69,11 +69,16 @@ class BatchLoader:
         pos = self.global_positions(batch_index)
         return self.source.samples_at(pos[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
 
-    def __iter__(self) -> Iterator[Batch]:
+    def iter_samples(self) -> Iterator[tuple[int, Samples]]:
+        """(global batch index, this rank's samples), advancing the cursor."""
         while True:
             k = self.next_batch
             self.next_batch += 1
-            yield Batch.from_samples(self.local_samples(k), k, self.user_hash_size)
+            yield k, self.local_samples(k)
+
+    def __iter__(self) -> Iterator[Batch]:
+        for k, samples in self.iter_samples():
+            yield Batch.from_samples(samples, k, self.user_hash_size)
 
     def state_dict(self) -> dict:
         return {"next_batch": self.next_batch}

@@ -87,6 +87,7 @@ class SeqRecTask(nn.Module):
         labels: torch.Tensor,
         sample_ids: torch.Tensor,
         batch_index: torch.Tensor,
+        loss_scale: torch.Tensor,
     ):
         uih = seq[UIH_FEATURE].values()
         cand = seq[CANDIDATE_FEATURE].values()
@@ -107,7 +108,7 @@ class SeqRecTask(nn.Module):
         if user is not None:
             features.append(torch.repeat_interleave(user[USER_FEATURE], cand_counts, dim=0))
         logits = self.head(torch.cat(features, dim=-1)).squeeze(-1)
-        loss = F.binary_cross_entropy_with_logits(logits, labels)
+        loss = F.binary_cross_entropy_with_logits(logits, labels) * loss_scale
         return loss, StepOutput(loss.detach(), logits.detach(), labels, sample_ids, uih_lengths, batch_index)
 
 
@@ -140,4 +141,5 @@ class SeqRecModel(nn.Module):
     def forward(self, batch: Batch):
         seq = self.item_ec(batch.seq_features)
         user = self.user_ebc(batch.user_features) if self.user_ebc is not None else None
-        return self.task(seq, user, batch.uih_lengths, batch.cand_counts, batch.labels, batch.sample_ids, batch.batch_index)
+        return self.task(seq, user, batch.uih_lengths, batch.cand_counts, batch.labels, batch.sample_ids,
+                         batch.batch_index, batch.loss_scale)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from freescale import distributed
+from freescale.balance.balancer import build_balancer
 from freescale.config import ExperimentConfig, write_config
 from freescale.data.loader import BatchLoader, build_sources, eval_batches
 from freescale.distributed import Topology
@@ -110,9 +111,14 @@ def train(cfg: ExperimentConfig) -> dict:
     inject_delay(model, timeline, rank=topo.rank, ranks=cfg.profile.delay_ranks, delay_ms=cfg.profile.delay_ms)
     instrument_phases(timeline, model, optimizer)
 
+    # Balancer: every global batch re-partitioned by cost (a NullBalancer keeps contiguous slices).
+    balancer = build_balancer(cfg.balance, cfg.transport.kind, user_hash_size=cfg.model.user_hash_size)
+    if topo.is_main and cfg.balance.enable:
+        balancer.cost_model.save(os.path.join(run_dir, "cost_model.json"))
+
     # The loop.
     pipeline = build_pipeline(cfg.train.pipeline, model, optimizer, device, timeline)
-    batches = timeline.timed_batches(iter(loader))
+    batches = timeline.timed_batches(balancer.batches(loader.iter_samples()))
     window = StepWindow()
     started = time.perf_counter()
     first_step = state.step

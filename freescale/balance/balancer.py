@@ -1,0 +1,206 @@
+"""The run-time balancer: every global batch re-partitioned across a replica group's ranks.
+
+Protocol, per global batch ``k`` (each rank starts from its contiguous slice, in time order):
+
+I.   all-gather every rank's per-sample (UIH length, candidate count);
+II.  every rank computes the same partition of the global batch from the calibrated cost
+     (``cost(L, C)``, pure and deterministic, so no rank needs to be told the result);
+III. all-to-all the samples (meta, UIH ids, candidate ids, labels) to their new ranks. Split
+     sizes follow from (I) and (II), so no size exchange precedes the payload.
+
+Rank ``r`` receives its samples grouped by source rank, each group in the source's order;
+sources are consecutive slices of the global batch, so the result is in global time order.
+
+Prefetch: ``batches()`` keeps one batch ahead. While the trainer computes batch ``k``, the
+all-to-all of ``k+1`` and the all-gather of ``k+2`` are in flight on the balancer's own
+process group (gloo runs them on its threads), and the next call only waits for them.
+
+With ``vbs`` ranks get unequal sample counts. Each rank's mean loss is then multiplied by
+``ranks * local_candidates / global_candidates``: DDP averages gradients over ranks, so the
+result is the gradient of the mean loss over the whole global batch, the same as with equal
+counts (in expectation over partitions; exactly, for a fixed batch).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from freescale.balance.cost import CostModel
+from freescale.balance.partition import PARTITIONS
+from freescale.data.batch import Batch, Samples
+
+_META = 4  # sample id, user id, UIH length, candidate count
+
+
+class Balancer:
+    def __init__(self, partition: str, cost_model: CostModel, transport, *, user_hash_size: int,
+                 normalize_loss: bool) -> None:
+        self.partition = PARTITIONS[partition]
+        self.cost_model = cost_model
+        self.transport = transport
+        self.rank = transport.rank
+        self.world_size = transport.world_size
+        self.user_hash_size = user_hash_size
+        self.normalize_loss = normalize_loss
+
+    # The three stages ----------------------------------------------------------------------
+
+    def gather_sizes(self, local: Samples):
+        """Stage I: issue the all-gather of (L, C); ``wait()`` gives the global [N, 2] array."""
+        sizes = torch.from_numpy(np.stack([local.uih_lengths, local.cand_counts], axis=1).astype(np.int64))
+        return self.transport.all_gather(sizes)
+
+    def plan(self, global_sizes: np.ndarray, local_count: int) -> "_Plan":
+        """Stage II: the partition, and what this rank sends to and receives from each rank."""
+        L, C = global_sizes[:, 0], global_sizes[:, 1]
+        parts = self.partition(self.cost_model.cost(L, C), self.world_size)
+        owner = np.empty(len(L), dtype=np.int64)
+        for r, p in enumerate(parts):
+            owner[p] = r
+        counts = np.array([n for n in self._slice_counts(len(L), local_count)])
+        source = np.repeat(np.arange(self.world_size), counts)
+        words = _META + L + 2 * C
+        mine = slice(int(counts[: self.rank].sum()), int(counts[: self.rank + 1].sum()))
+        send_owner = owner[mine]
+        send_order = np.argsort(send_owner, kind="stable")
+        input_splits = np.bincount(send_owner, weights=words[mine], minlength=self.world_size).astype(np.int64)
+        recv = owner == self.rank
+        output_splits = np.bincount(source[recv], weights=words[recv], minlength=self.world_size).astype(np.int64)
+        return _Plan(send_order=send_order, send_counts=np.bincount(send_owner, minlength=self.world_size),
+                     input_splits=input_splits.tolist(), output_splits=output_splits.tolist(),
+                     recv_sizes=global_sizes[recv], recv_sources=source[recv],
+                     scale=self._loss_scale(C, recv))
+
+    def exchange(self, local: Samples, plan: "_Plan"):
+        """Stage III: issue the all-to-all; ``_Exchange.wait()`` gives this rank's Samples."""
+        buffer = _pack(local.select(plan.send_order), plan.send_counts)
+        handle = self.transport.all_to_all_single(torch.from_numpy(buffer), plan.input_splits, plan.output_splits)
+        return _Exchange(handle, plan)
+
+    def rebalance(self, local: Samples) -> tuple[Samples, float]:
+        """All three stages, synchronously: this rank's new samples and loss scale."""
+        sizes = self.gather_sizes(local).wait().numpy()
+        plan = self.plan(sizes, len(local))
+        return self.exchange(local, plan).wait(), plan.scale
+
+    # Prefetching iterator ------------------------------------------------------------------
+
+    def batches(self, local_batches: Iterator[tuple[int, Samples]]) -> Iterator[Batch]:
+        """Balanced Batches of the loader's (index, samples), one batch exchanged ahead."""
+        def start_gather():
+            k, local = next(local_batches)
+            return k, local, self.gather_sizes(local)
+
+        gathering = start_gather()
+        exchanging = None
+        while True:
+            k, local, gather = gathering
+            plan = self.plan(gather.wait().numpy(), len(local))
+            started = (k, self.exchange(local, plan))
+            gathering = start_gather()
+            if exchanging is not None:
+                yield self._finish(*exchanging)
+            exchanging = started
+
+    # Helpers -------------------------------------------------------------------------------
+
+    def _finish(self, k: int, exchange: "_Exchange") -> Batch:
+        samples = exchange.wait()
+        return Batch.from_samples(samples, k, self.user_hash_size, loss_scale=exchange.plan.scale)
+
+    def _slice_counts(self, total: int, local_count: int) -> list[int]:
+        """Samples each rank contributed (equal slices from the loader)."""
+        if total != local_count * self.world_size:
+            raise ValueError(f"balancer: expected {self.world_size} equal local batches of {local_count}, "
+                             f"got {total} samples in all")
+        return [local_count] * self.world_size
+
+    def _loss_scale(self, C: np.ndarray, recv: np.ndarray) -> float:
+        if not self.normalize_loss:
+            return 1.0
+        return float(self.world_size * C[recv].sum() / C.sum())
+
+
+class _Plan:
+    def __init__(self, *, send_order, send_counts, input_splits, output_splits, recv_sizes, recv_sources, scale) -> None:
+        self.send_order = send_order
+        self.send_counts = send_counts
+        self.input_splits = input_splits
+        self.output_splits = output_splits
+        self.recv_sizes = recv_sizes
+        self.recv_sources = recv_sources
+        self.scale = scale
+
+
+class _Exchange:
+    def __init__(self, handle, plan: _Plan) -> None:
+        self.handle = handle
+        self.plan = plan
+
+    def wait(self) -> Samples:
+        buffer = self.handle.wait().numpy()
+        parts = []
+        offset = 0
+        for src, words in enumerate(self.plan.output_splits):
+            sizes = self.plan.recv_sizes[self.plan.recv_sources == src]
+            parts.append(_unpack(buffer[offset:offset + words], sizes))
+            offset += words
+        return Samples.concat(parts)
+
+
+def _pack(samples: Samples, counts: np.ndarray) -> np.ndarray:
+    """One int64 buffer: per destination, [meta rows, UIH ids, candidate ids, label bits].
+
+    ``samples`` are grouped by destination, ``counts[j]`` of them for rank ``j``.
+    """
+    bounds = np.concatenate([[0], np.cumsum(counts)])
+    chunks = [_encode(samples.select(np.arange(bounds[j], bounds[j + 1]))) for j in range(len(counts))]
+    return np.concatenate(chunks)
+
+
+def _encode(s: Samples) -> np.ndarray:
+    meta = np.stack([s.sample_ids, s.user_ids, s.uih_lengths, s.cand_counts], axis=1).reshape(-1)
+    labels = s.labels.astype(np.float64).view(np.int64)
+    return np.concatenate([meta.astype(np.int64), s.uih_values.astype(np.int64), s.cand_values.astype(np.int64), labels])
+
+
+def _unpack(buffer: np.ndarray, sizes: np.ndarray) -> Samples:
+    n = len(sizes)
+    meta = buffer[: _META * n].reshape(n, _META)
+    L, C = meta[:, 2], meta[:, 3]
+    if not (np.array_equal(L, sizes[:, 0]) and np.array_equal(C, sizes[:, 1])):
+        raise RuntimeError("balancer: received samples do not match the gathered sizes")
+    a = _META * n
+    b = a + int(L.sum())
+    c = b + int(C.sum())
+    return Samples(sample_ids=meta[:, 0].copy(), user_ids=meta[:, 1].copy(), uih_lengths=L.copy(), uih_values=buffer[a:b].copy(),
+                   cand_counts=C.copy(), cand_values=buffer[b:c].copy(),
+                   labels=buffer[c:c + int(C.sum())].view(np.float64).astype(np.float32))
+
+
+class NullBalancer:
+    """Balancing off: each rank keeps its contiguous slice."""
+
+    def __init__(self, user_hash_size: int) -> None:
+        self.user_hash_size = user_hash_size
+
+    def batches(self, local_batches: Iterator[tuple[int, Samples]]) -> Iterator[Batch]:
+        for k, samples in local_batches:
+            yield Batch.from_samples(samples, k, self.user_hash_size)
+
+
+def build_balancer(cfg, transport_kind: str, *, user_hash_size: int):
+    """A Balancer on its own gloo process group when ``balance.enable``, else a NullBalancer."""
+    if not cfg.enable:
+        return NullBalancer(user_hash_size)
+    import torch.distributed as dist
+
+    from freescale.balance.cost import load_cost_model
+    from freescale.transport.base import build_transport
+
+    group = dist.new_group(backend="gloo")
+    return Balancer(cfg.partition, load_cost_model(cfg.cost_model), build_transport(transport_kind, group),
+                    user_hash_size=user_hash_size, normalize_loss=cfg.partition == "vbs")

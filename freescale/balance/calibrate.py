@@ -1,0 +1,73 @@
+"""``freescale calibrate``: fit the cost model on the configured model and this machine.
+
+For each point of a grid of (UIH length L, candidates C) a batch of identical-size samples
+goes through forward and backward of the real model (unsharded, one process, the rank's
+thread count); the median time over repetitions divided by the batch size is the measured
+per-sample cost. ``fit_cost_model`` then fits ``a*L + b*L^2 + c*C + d`` by least squares.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from freescale.balance.cost import CostModel, fit_cost_model
+from freescale.config import ExperimentConfig
+from freescale.data.batch import Batch, Samples
+from freescale.model.seqrec import SeqRecModel
+
+
+def default_grid(max_uih_len: int, num_candidates: int) -> tuple[list[int], list[int]]:
+    lengths = sorted({int(x) for x in np.geomspace(4, max_uih_len, 8).round()})
+    candidates = sorted({1, num_candidates, 4 * num_candidates})
+    return lengths, candidates
+
+
+def _batch(n: int, L: int, C: int, num_items: int, rng: np.random.Generator, user_hash_size: int) -> Batch:
+    samples = Samples(
+        sample_ids=np.arange(n, dtype=np.int64), user_ids=rng.integers(0, 1 << 30, n),
+        uih_lengths=np.full(n, L, dtype=np.int64), uih_values=rng.integers(0, num_items, n * L),
+        cand_counts=np.full(n, C, dtype=np.int64), cand_values=rng.integers(0, num_items, n * C),
+        labels=rng.integers(0, 2, n * C).astype(np.float32),
+    )
+    return Batch.from_samples(samples, 0, user_hash_size)
+
+
+def calibrate(cfg: ExperimentConfig, *, repeats: int = 5, tokens_per_batch: int = 16384, log=print) -> CostModel:
+    torch.set_num_threads(cfg.run.threads or 1)
+    torch.manual_seed(cfg.run.seed)
+    num_items = cfg.data.synthetic.num_items if cfg.data.source == "synthetic" else _ratings_items(cfg)
+    model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items, max_uih_len=cfg.data.max_uih_len,
+                        device=torch.device("cpu"))
+    rng = np.random.default_rng(cfg.run.seed)
+    lengths, candidates = default_grid(cfg.data.max_uih_len, cfg.data.num_candidates)
+    rows = []
+    total = len(lengths) * len(candidates)
+    for i, L in enumerate(lengths):
+        n = int(np.clip(tokens_per_batch // L, 1, cfg.data.batch_size))
+        for C in candidates:
+            batch = _batch(n, L, C, num_items, rng, cfg.model.user_hash_size)
+            times = []
+            for rep in range(repeats + 1):
+                t0 = time.perf_counter()
+                loss, _ = model(batch)
+                loss.backward()
+                model.zero_grad(set_to_none=True)
+                if rep:  # the first run warms caches and allocators
+                    times.append(time.perf_counter() - t0)
+            per_sample = float(np.median(times)) / n
+            rows.append((L, C, per_sample))
+            log(f"[calibrate {len(rows)}/{total}] L={L:>6} C={C:>3} batch={n:>4}: {1e3 * per_sample:.4f} ms/sample")
+    L, C, y = map(np.array, zip(*rows))
+    info = {"grid": [[int(a), int(b), float(c)] for a, b, c in rows], "threads": torch.get_num_threads(),
+            "model": {"embedding_dim": cfg.model.embedding_dim, "num_layers": cfg.model.num_layers,
+                      "num_heads": cfg.model.num_heads}}
+    return fit_cost_model(L, C, y, info)
+
+
+def _ratings_items(cfg: ExperimentConfig) -> int:
+    from freescale.data.readers import read_ratings
+
+    return read_ratings(cfg.data.ratings.path).num_items

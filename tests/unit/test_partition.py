@@ -1,0 +1,107 @@
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from freescale.balance.cost import CostModel, fit_cost_model
+from freescale.balance.partition import PARTITIONS, equal_count_bound, imbalance, lower_bound
+from freescale.config import SyntheticDataConfig
+from freescale.data.synthetic import sample_uih_lengths
+
+EQUAL_COUNTS = ("contiguous", "zigzag", "karmarkar_karp")
+
+
+@settings(max_examples=150, deadline=None)
+@given(lengths=st.lists(st.integers(1, 5000), min_size=0, max_size=300), ranks=st.integers(1, 17),
+       name=st.sampled_from(sorted(PARTITIONS)))
+def test_partition_invariants(lengths, ranks, name):
+    costs = CostModel().cost(np.array(lengths, dtype=np.int64))
+    parts = PARTITIONS[name](costs, ranks)
+    assert len(parts) == ranks
+    flat = np.concatenate(parts) if parts else np.zeros(0)
+    # Every sample exactly once.
+    assert sorted(flat.tolist()) == list(range(len(lengths)))
+    # Original (time) order inside each rank.
+    assert all((np.diff(p) > 0).all() for p in parts)
+    # No empty rank when there are enough samples.
+    if len(lengths) >= ranks:
+        assert all(len(p) > 0 for p in parts)
+    if name in EQUAL_COUNTS:
+        sizes = [len(p) for p in parts]
+        assert max(sizes) - min(sizes) <= 1
+    # Deterministic.
+    again = PARTITIONS[name](costs, ranks)
+    assert all(np.array_equal(a, b) for a, b in zip(parts, again))
+
+
+def test_contiguous_is_a_sampler_split():
+    parts = PARTITIONS["contiguous"](np.ones(10), 3)
+    assert [p.tolist() for p in parts] == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+
+
+def test_zigzag_deals_in_snake_order():
+    costs = np.array([1.0, 9.0, 5.0, 7.0, 3.0, 8.0])  # sorted: 9(1) 8(5) 7(3) 5(2) 3(4) 1(0)
+    parts = PARTITIONS["zigzag"](costs, 3)
+    assert [p.tolist() for p in parts] == [[0, 1], [4, 5], [2, 3]]
+
+
+def heavy_tailed(n, seed=0):
+    cfg = SyntheticDataConfig(median_uih_len=64, sigma=1.0, tail_prob=0.05, tail_min_len=256, tail_alpha=1.1)
+    return sample_uih_lengths(cfg, n, 1, 2048, np.random.default_rng(seed))
+
+
+def test_karmarkar_karp_balances_heavy_tails_at_256_ranks():
+    lengths = heavy_tailed(256 * 64)
+    costs = CostModel().cost(lengths, np.full(len(lengths), 4))
+    assert lower_bound(costs, 256) < 1.05 and equal_count_bound(costs, 256) < 1.05
+    kk = imbalance(costs, PARTITIONS["karmarkar_karp"](costs, 256))
+    contiguous = imbalance(costs, PARTITIONS["contiguous"](costs, 256))
+    assert kk <= 1.05
+    assert contiguous > 1.5
+    assert imbalance(costs, PARTITIONS["zigzag"](costs, 256)) < contiguous
+    assert imbalance(costs, PARTITIONS["vbs"](costs, 256)) <= 1.05
+
+
+def test_partitioning_256_ranks_takes_milliseconds():
+    costs = CostModel().cost(heavy_tailed(256 * 64, seed=1))
+    for name, fn in PARTITIONS.items():
+        fn(costs, 256)  # warm
+        t0 = time.perf_counter()
+        fn(costs, 256)
+        assert time.perf_counter() - t0 < 1.0, name  # a loose bound: bench_balance.py reports the real figure
+
+
+def test_fit_recovers_known_coefficients():
+    truth = CostModel(a=3e-6, b=2e-9, c=1e-5, d=2e-4)
+    L = np.repeat([8, 32, 128, 512, 2048], 3)
+    C = np.tile([1, 4, 16], 5)
+    model = fit_cost_model(L, C, truth.cost(L, C))
+    assert model.fit["r2"] > 0.999999
+    for name in "abcd":
+        assert getattr(model, name) == pytest.approx(getattr(truth, name), rel=1e-6)
+
+
+def test_fit_never_returns_negative_coefficients():
+    L = np.array([8, 16, 32, 64, 128])
+    C = np.ones(5)
+    y = 1e-4 + 1e-6 * L  # no quadratic part, slight noise below
+    y = y * np.array([1.0, 0.99, 1.01, 1.0, 0.995])
+    model = fit_cost_model(L, C, y)
+    assert min(model.a, model.b, model.c, model.d) >= 0
+    assert model.fit["worst_relative_error"] < 0.05
+
+
+def test_cost_model_round_trip_and_errors(tmp_path):
+    from freescale.balance.cost import CostModelError
+
+    path = tmp_path / "cost.json"
+    CostModel(a=1.0, b=2.0, c=3.0, d=4.0, fit={"r2": 0.9}).save(str(path))
+    loaded = CostModel.load(str(path))
+    assert (loaded.a, loaded.b, loaded.c, loaded.d) == (1.0, 2.0, 3.0, 4.0) and loaded.fit == {"r2": 0.9}
+    with pytest.raises(CostModelError, match="not found"):
+        CostModel.load(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text('{"a": 1, "q": 2}')
+    with pytest.raises(CostModelError, match="not a cost model"):
+        CostModel.load(str(tmp_path / "bad.json"))
