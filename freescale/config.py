@@ -177,6 +177,8 @@ class TrainConfig:
     """Evaluate every this many steps (0 = only at the end)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     """torch.distributed backend: auto picks nccl on cuda, gloo on cpu."""
+    gc_every: Annotated[int, NonNegative] = 50
+    """Run Python's garbage collector every this many steps on all ranks at once (0 = Python's own schedule)."""
 
 
 @dataclass
@@ -195,7 +197,7 @@ class CheckpointConfig:
 class BalanceConfig:
     enable: bool = False
     """Re-partition every global batch across the ranks by per-sample cost (off: contiguous slices)."""
-    partition: Literal["contiguous", "zigzag", "karmarkar_karp", "vbs"] = "karmarkar_karp"
+    partition: Literal["contiguous", "zigzag", "karmarkar_karp", "greedy", "vbs"] = "karmarkar_karp"
     """Partition function; vbs gives unequal sample counts and normalizes the loss globally."""
     cost_model: str = ""
     """Cost model JSON from `freescale calibrate`; empty = the built-in default."""
@@ -291,10 +293,9 @@ def dump_yaml(cfg: ExperimentConfig) -> str:
 
 def write_config(cfg: ExperimentConfig, path: str) -> None:
     """Write the resolved config atomically."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(dump_yaml(cfg))
-    os.replace(tmp, path)
+    from freescale.io import write_text_atomic
+
+    write_text_atomic(path, dump_yaml(cfg))
 
 
 def field_docs(cls: type) -> dict[str, str]:

@@ -21,6 +21,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from freescale.io import write_json_atomic  # noqa: E402
 from freescale.profile.timeline import StepTimeline  # noqa: E402
 
 
@@ -85,9 +86,7 @@ def main() -> None:
     result = {"recorder_us_per_step": round(micro, 2), "runs": rows, "off_ms_per_step": round(off, 3),
               "on_ms_per_step": round(on, 3), "ratio_on_over_off": round(on / off, 4), "steps": args.steps}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(args.out + ".tmp", args.out)
+    write_json_atomic(args.out, result)
     print(f"wrote {args.out}")
 
 

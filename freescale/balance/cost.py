@@ -1,9 +1,10 @@
 """The per-sample cost model: ``cost(L, C) = a*L + b*L^2 + c*C + d`` (seconds of forward+backward).
 
 ``L`` is the UIH length and ``C`` the candidate count. ``freescale calibrate`` fits the
-coefficients on the real model and machine; the default below was fitted that way for the
-quickstart model on a 2-core CPU, and keeps the two properties that matter to a partition
-with any model of this family: a large constant per sample and a quadratic term.
+coefficients on the real model and machine. The default is such a fit: the quickstart model
+(width 32, 2 layers, 2 heads) on a 2-core x86 CPU with one thread per rank, over lengths 4 to
+4096 (``freescale calibrate --config configs/bench_balance.yaml``); it keeps what matters to a
+partition with any model of this family: a constant per sample and a quadratic term.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from freescale.io import write_json_atomic
+
 
 class CostModelError(ValueError):
     """A cost model file that cannot be used; one line naming the file."""
@@ -21,13 +24,13 @@ class CostModelError(ValueError):
 
 @dataclass(frozen=True)
 class CostModel:
-    a: float = 2.6e-6
+    a: float = 4.955e-6
     """Seconds per history token (projections, feed-forward, embeddings)."""
-    b: float = 1.1e-9
+    b: float = 2.232e-8
     """Seconds per squared history token (attention scores)."""
-    c: float = 2.0e-5
+    c: float = 8.578e-7
     """Seconds per candidate (target attention, head)."""
-    d: float = 1.2e-4
+    d: float = 6.816e-5
     """Seconds per sample, whatever its size."""
     fit: dict = field(default_factory=dict, compare=False)
     """How the coefficients were obtained (R^2, worst relative error, grid, model)."""
@@ -38,11 +41,8 @@ class CostModel:
         return self.a * L + self.b * L * L + self.c * C + self.d
 
     def save(self, path: str) -> None:
-        tmp = f"{path}.tmp"
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(tmp, "w") as f:
-            json.dump(asdict(self), f, indent=2)
-        os.replace(tmp, path)
+        write_json_atomic(path, asdict(self))
 
     @staticmethod
     def load(path: str) -> "CostModel":

@@ -12,7 +12,10 @@ at least as many samples as ranks. Selected by name from ``PARTITIONS``:
   two partial partitions with the largest spread are merged, heaviest subset of one with the
   lightest of the other, until one remains. One sample per round forces a rank holding a
   tail sample to also take a large sample from each early round, so a swap pass follows:
-  while it helps, the heaviest rank trades a sample with a lighter rank (counts unchanged);
+  while it helps (at most 4 swaps per rank, plus 64), the heaviest rank trades a sample with a
+  lighter one, counts unchanged;
+- ``greedy``: equal counts, largest sample first to the least loaded rank with room left
+  (a rank holding a tail sample then fills up with the smallest ones), then the same swaps;
 - ``vbs``: variable batch size: equal cost, unequal counts: largest sample first, each to the
   least loaded rank (the loss is then normalized by the global sample count).
 """
@@ -92,7 +95,32 @@ def karmarkar_karp(costs, ranks: int) -> list[np.ndarray]:
         heapq.heappush(heap, (-(sums[0] - sums[-1]), tie, sums, members))
         tie += 1
     _, _, _, members = heap[0]
-    members = _refine_by_swaps(costs, members)
+    return _members_to_parts(_refine_by_swaps(costs, members), n, ranks)
+
+
+def greedy(costs, ranks: int) -> list[np.ndarray]:
+    costs = _check(costs, ranks)
+    n = len(costs)
+    left = _equal_counts(n, ranks).tolist()
+    order = np.argsort(-costs, kind="stable")
+    # Largest first, each to the least loaded rank that still has room: a rank holding a tail
+    # sample stays out of the running until the others are full, then takes the smallest.
+    slots = [[] for _ in range(ranks)]
+    heap = [(0.0, r) for r in range(ranks) if left[r]]
+    for i, cost in zip(order.tolist(), costs[order].tolist()):
+        load, r = heapq.heappop(heap)
+        slots[r].append(i)
+        left[r] -= 1
+        if left[r]:
+            heapq.heappush(heap, (load + cost, r))
+    width = max((len(x) for x in slots), default=0)
+    members = np.full((ranks, width), -1, dtype=np.int64)
+    for r, x in enumerate(slots):
+        members[r, : len(x)] = x
+    return _members_to_parts(_refine_by_swaps(costs, members), n, ranks)
+
+
+def _members_to_parts(members: np.ndarray, n: int, ranks: int) -> list[np.ndarray]:
     flat = members.ravel()
     rows = np.repeat(np.arange(ranks), members.shape[1])
     owner = np.empty(n, dtype=np.int64)
@@ -113,7 +141,7 @@ def _refine_by_swaps(costs: np.ndarray, members: np.ndarray, tries: int = 8) -> 
     loads = np.nansum(values, axis=1)
     mean = loads.mean()
     tries = min(tries, ranks - 1)
-    for _ in range(32 * ranks):
+    for _ in range(4 * ranks + 64):
         h = int(np.argmax(loads))
         moved = False
         light = np.argpartition(loads, tries)[:tries] if ranks > tries + 1 else np.arange(ranks)
@@ -155,6 +183,7 @@ PARTITIONS: dict[str, Callable[[np.ndarray, int], list[np.ndarray]]] = {
     "contiguous": contiguous,
     "zigzag": zigzag,
     "karmarkar_karp": karmarkar_karp,
+    "greedy": greedy,
     "vbs": vbs,
 }
 

@@ -3,7 +3,8 @@
 Accepted files (detected from the first data line):
 - CSV ``user,item,rating,timestamp``, with or without a header line;
 - MovieLens ``ratings.dat``: ``user::item::rating::timestamp``;
-- MovieLens-100K ``u.data``: tab-separated, same four fields.
+- MovieLens-100K ``u.data`` or RecBole's ``ml-100k.inter``: tab-separated, same four fields
+  (the ``.inter`` header line is skipped like a CSV header).
 
 Each user's events are sorted by time. A sample is one point in a user's timeline: the
 candidates are the next ``num_candidates`` events (label: rating >= ``positive_rating``), the
@@ -57,7 +58,7 @@ def read_ratings(path: str) -> RatingsLog:
             try:
                 rating, stamp = float(fields[2]), float(fields[3])
             except ValueError:
-                if not users and sep == ",":  # a header line
+                if not users:  # a header line
                     continue
                 raise DataError(f"{path}:{lineno}: rating and timestamp must be numbers, got {fields[2]!r}, {fields[3]!r}") from None
             users.append(fields[0])

@@ -26,6 +26,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from freescale.io import write_text_atomic  # noqa: E402
 from freescale.profile.bubbles import as_rows, decompose, summarize  # noqa: E402
 from freescale.profile.timeline import read_timelines  # noqa: E402
 
@@ -70,9 +71,9 @@ def write_report(run_dir: str, *, warmup_steps: int | None = None, gantt_steps: 
     }
     for name, fig in plots.items():
         _save_fig(fig, os.path.join(out, name))
-    _write_text(os.path.join(out, "report.html"), _html_single(data, out, list(plots)))
+    write_text_atomic(os.path.join(out, "report.html"), _html_single(data, out, list(plots)))
     path = os.path.join(out, "report.json")
-    _write_text(path, json.dumps(_public(data), indent=2))
+    write_text_atomic(path, json.dumps(_public(data), indent=2))
     return path
 
 
@@ -85,9 +86,9 @@ def write_comparison(run_a: str, run_b: str, *, out_dir: str | None = None, warm
     _save_fig(_plot_breakdown(b["per_rank"], f"B: {_title(run_b)}"), os.path.join(out, "breakdown_b.png"))
     ratios = {k: _ratio(b["summary"][k], a["summary"][k]) for k in _COMPARED}
     comparison = {"a": _public(a), "b": _public(b), "ratio_b_over_a": ratios}
-    _write_text(os.path.join(out, "compare.html"), _html_compare(a, b, ratios, out))
+    write_text_atomic(os.path.join(out, "compare.html"), _html_compare(a, b, ratios, out))
     path = os.path.join(out, "compare.json")
-    _write_text(path, json.dumps(comparison, indent=2))
+    write_text_atomic(path, json.dumps(comparison, indent=2))
     return path
 
 
@@ -296,8 +297,3 @@ def _save_fig(fig, path: str) -> None:
     os.replace(tmp, path)
 
 
-def _write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)

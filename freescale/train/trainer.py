@@ -7,6 +7,7 @@ calls per step. It runs standalone (one rank) or under ``torchrun`` (one process
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from freescale.balance.balancer import build_balancer
 from freescale.config import ExperimentConfig, write_config
 from freescale.data.loader import BatchLoader, build_sources, eval_batches
 from freescale.distributed import Topology
+from freescale.io import write_json_atomic
 from freescale.logging import setup_logging
 from freescale.model.seqrec import SeqRecModel
 from freescale.model.sharding import build_optimizer, init_dense_state, shard_model
@@ -116,7 +118,9 @@ def train(cfg: ExperimentConfig) -> dict:
     if topo.is_main and cfg.balance.enable:
         balancer.cost_model.save(os.path.join(run_dir, "cost_model.json"))
 
-    # The loop.
+    # The loop. Python's collector runs on a schedule shared by all ranks: left to itself it
+    # pauses one rank at a time, and every pause becomes a straggler bubble on the others.
+    collector = GarbageCollector(cfg.train.gc_every)
     pipeline = build_pipeline(cfg.train.pipeline, model, optimizer, device, timeline)
     batches = timeline.timed_batches(balancer.batches(loader.iter_samples()))
     window = StepWindow()
@@ -127,6 +131,7 @@ def train(cfg: ExperimentConfig) -> dict:
         out = pipeline.progress(batches)
         state.step += 1
         timeline.end_step(state.step, out)
+        collector.step(state.step)
         state.next_batch = BatchLoader.cursor_after(out.batch_index.item())["next_batch"]
         window.add(out.loss, len(out.sample_ids))
         if _due(state.step, cfg.run.log_every, cfg.train.steps):
@@ -137,6 +142,7 @@ def train(cfg: ExperimentConfig) -> dict:
             path = checkpointer.save(state.step, checkpointer.app_state(model, optimizer, state.state_dict()))
             log.info(f"checkpoint {path}", extra={"step": state.step})
 
+    collector.close()
     summary = {
         "run_dir": run_dir,
         "steps": state.step,
@@ -154,9 +160,33 @@ def train(cfg: ExperimentConfig) -> dict:
     if topo.is_main and cfg.profile.enable and state.step > first_step:
         summary["bubbles"] = _write_bubble_report(run_dir, cfg, log)
     if topo.is_main:
-        _write_json(os.path.join(run_dir, "summary.json"), summary)
+        write_json_atomic(os.path.join(run_dir, "summary.json"), summary)
     dist.barrier()
     return summary
+
+
+class GarbageCollector:
+    """Automatic collection off; a full collection every ``every`` steps instead.
+
+    Objects alive after set-up are frozen first, so the scheduled collections only walk what
+    training allocated since.
+    """
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        if every:
+            gc.collect()
+            gc.freeze()
+            gc.disable()
+
+    def step(self, step: int) -> None:
+        if self.every and step % self.every == 0:
+            gc.collect()
+
+    def close(self) -> None:
+        if self.every:
+            gc.unfreeze()
+            gc.enable()
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -242,13 +272,6 @@ def _write_bubble_report(run_dir: str, cfg: ExperimentConfig, log: logging.Logge
 def _last_eval(run_dir: str) -> dict:
     records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "eval/auc" in r]
     return {k: v for k, v in records[-1].items() if k != "step"} if records else {}
-
-
-def _write_json(path: str, data: dict) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 def _quiet_third_party_logs() -> None:

@@ -10,7 +10,7 @@ from freescale.balance.partition import PARTITIONS, equal_count_bound, imbalance
 from freescale.config import SyntheticDataConfig
 from freescale.data.synthetic import sample_uih_lengths
 
-EQUAL_COUNTS = ("contiguous", "zigzag", "karmarkar_karp")
+EQUAL_COUNTS = ("contiguous", "zigzag", "karmarkar_karp", "greedy")
 
 
 @settings(max_examples=150, deadline=None)

@@ -1,0 +1,177 @@
+"""Benchmark of cost-balanced samples.
+
+    .venv/bin/python scripts/bench_balance.py [--quick] [--repeats 3] [--ranks 2 4] [--skip-training]
+
+(a) Partition quality and speed: global batches of 64 samples per rank for 8..1024 ranks on
+    several length distributions (lognormal; heavy tails up to 2K and 21K; the real per-user
+    history lengths of MovieLens-100K, read from the recbole==1.2.1 wheel), every partition:
+    imbalance (max rank cost / mean rank cost) and milliseconds, with the lower bounds.
+(b) Real training: ``torchrun`` on 2 and 4 CPU ranks (one thread each) with
+    ``configs/bench_balance.yaml`` (heavy-tailed UIH up to 2048), the balancer with
+    ``contiguous`` against ``karmarkar_karp`` and ``zigzag``, interleaved, each repetition
+    printed; straggler % and step time from each run's bubble report, with ratios to
+    ``contiguous``.
+
+The cost model is ``runs/cost_model-bench_balance.json``, calibrated first if missing.
+Results go to ``runs/bench_balance.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from freescale.io import write_json_atomic  # noqa: E402
+from freescale.balance.cost import CostModel  # noqa: E402
+from freescale.balance.partition import PARTITIONS, equal_count_bound, evaluate, lower_bound  # noqa: E402
+from freescale.config import SyntheticDataConfig, load_config  # noqa: E402
+from freescale.data.ml100k import ensure_ml100k, user_history_lengths  # noqa: E402
+from freescale.data.synthetic import sample_uih_lengths  # noqa: E402
+
+CONFIG = os.path.join(REPO, "configs", "bench_balance.yaml")
+COST_MODEL = os.path.join(REPO, "runs", "cost_model-bench_balance.json")
+PER_RANK = 64
+CANDIDATES = 4
+
+
+def distributions(cache: str) -> dict:
+    bench = load_config(CONFIG).data
+    ml = user_history_lengths(ensure_ml100k(cache))
+
+    def synthetic(cfg, max_len):
+        return lambda n, rng: sample_uih_lengths(cfg, n, 1, max_len, rng)
+
+    return {
+        "lognormal": synthetic(SyntheticDataConfig(median_uih_len=32, sigma=1.0, tail_prob=0.0), 2048),
+        "heavy-2K": synthetic(bench.synthetic, bench.max_uih_len),
+        "heavy-21K": synthetic(SyntheticDataConfig(median_uih_len=32, sigma=1.0, tail_prob=0.02, tail_min_len=512,
+                                                   tail_alpha=1.0), 21000),
+        "ml100k": lambda n, rng: rng.choice(ml, size=n, replace=True),
+    }
+
+
+def partition_section(model: CostModel, rank_counts: list[int], cache: str) -> list[dict]:
+    rows = []
+    names = sorted(PARTITIONS)
+    print(f"\n(a) partition quality, {PER_RANK} samples per rank, {CANDIDATES} candidates each")
+    print(f"{'lengths':<10}{'ranks':>6}{'bound':>8}{'eq.bound':>9}" + "".join(f"{n:>16}" for n in names)
+          + "   (imbalance / ms)")
+    for dist_name, draw in distributions(cache).items():
+        for ranks in rank_counts:
+            lengths = draw(ranks * PER_RANK, np.random.default_rng(ranks))
+            costs = model.cost(lengths, np.full(len(lengths), CANDIDATES))
+            evaluate(costs, ranks, names)  # warm caches
+            result = evaluate(costs, ranks, names)
+            cells = "".join(f"{result[n]['imbalance']:>9.3f}/{1e3 * result[n]['seconds']:<6.1f}" for n in names)
+            bound, eq = lower_bound(costs, ranks), equal_count_bound(costs, ranks)
+            print(f"{dist_name:<10}{ranks:>6}{bound:>8.3f}{eq:>9.3f}{cells}")
+            rows.append({"lengths": dist_name, "ranks": ranks, "max_length": int(lengths.max()), "lower_bound": bound,
+                         "equal_count_bound": eq, "partitions": result})
+    return rows
+
+
+def training_bound(model: CostModel, ranks: int, steps: int) -> float:
+    """Mean over the run's global batches of the partition lower bound (equal counts)."""
+    from freescale.data.loader import build_sources
+
+    cfg = load_config(CONFIG)
+    train, _ = build_sources(cfg.data, cfg.run.seed)
+    n = cfg.data.batch_size * ranks
+    bounds = []
+    for k in range(steps):
+        s = train.samples_at(np.arange(k * n, (k + 1) * n))
+        costs = model.cost(s.uih_lengths, s.cand_counts)
+        bounds.append(max(lower_bound(costs, ranks), equal_count_bound(costs, ranks)))
+    return float(np.mean(bounds))
+
+
+def train_once(ranks: int, partition: str, steps: int, run_dir: str) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m", "freescale",
+           "train", "--config", CONFIG, f"--run.dir={run_dir}", f"--balance.partition={partition}",
+           f"--balance.cost_model={COST_MODEL}", f"--train.steps={steps}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"training failed ({partition}, {ranks} ranks):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "report", "report.json")) as f:
+        summary = json.load(f)["summary"]
+    return {"straggler_pct": summary["straggler_pct"], "step_ms": summary["step_ms"],
+            "bubble_fraction": summary["bubble_fraction"], "exposed_comm_ms_per_step": summary["exposed_comm_ms_per_step"]}
+
+
+def training_section(model: CostModel, rank_counts: list[int], repeats: int, steps: int) -> list[dict]:
+    partitions = ["contiguous", "karmarkar_karp", "zigzag"]
+    out = []
+    for ranks in rank_counts:
+        bound = training_bound(model, ranks, steps)
+        print(f"\n(b) training on {ranks} CPU ranks (one thread each), {steps} steps, "
+              f"mean partition lower bound {bound:.4f}")
+        runs = {p: [] for p in partitions}
+        with tempfile.TemporaryDirectory() as tmp:
+            for rep in range(repeats):
+                for p in partitions:
+                    r = train_once(ranks, p, steps, os.path.join(tmp, f"{ranks}-{p}-{rep}"))
+                    runs[p].append(r)
+                    print(f"  rep {rep} {p:<15} straggler {r['straggler_pct']:6.2f}% | step {r['step_ms']:7.1f} ms | "
+                          f"bubble fraction {r['bubble_fraction']:.3f}", flush=True)
+        base = runs["contiguous"]
+        mean = lambda rs, k: float(np.mean([r[k] for r in rs]))
+        print(f"\n| partition ({ranks} ranks) | straggler % | step ms | straggler reduction (contiguous / this) | step time (this / contiguous) |")
+        print("|---|---|---|---|---|")
+        rows = []
+        for p in partitions:
+            s, t = mean(runs[p], "straggler_pct"), mean(runs[p], "step_ms")
+            s_ratio = mean(base, "straggler_pct") / s if s > 0 else float("inf")
+            t_ratio = t / mean(base, "step_ms")
+            print(f"| {p} | {s:.2f} | {t:.1f} | {s_ratio:.2f}x | {t_ratio:.3f} |")
+            rows.append({"partition": p, "straggler_pct": s, "step_ms": t, "straggler_reduction_x": s_ratio,
+                         "step_time_ratio": t_ratio, "runs": runs[p]})
+        out.append({"ranks": ranks, "steps": steps, "lower_bound": bound, "partitions": rows})
+    return out
+
+
+def ensure_cost_model() -> CostModel:
+    if not os.path.exists(COST_MODEL):
+        print(f"calibrating the cost model into {COST_MODEL}", flush=True)
+        subprocess.run([sys.executable, "-m", "freescale", "calibrate", "--config", CONFIG, "--out", COST_MODEL],
+                       cwd=REPO, check=True)
+    model = CostModel.load(COST_MODEL)
+    print(f"cost model: {model.a:.3g}*L + {model.b:.3g}*L^2 + {model.c:.3g}*C + {model.d:.3g} s "
+          f"(R^2 {model.fit.get('r2', float('nan')):.4f})")
+    return model
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts for the training section")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--skip-training", action="store_true", help="only the partition section")
+    parser.add_argument("--cache", default=os.path.join(REPO, "runs", "cache"), help="where the ML-100K wheel is kept")
+    parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_balance.json"))
+    args = parser.parse_args()
+
+    started = time.time()
+    model = ensure_cost_model()
+    result = {"cost_model": {k: getattr(model, k) for k in "abcd"},
+              "partitions": partition_section(model, [8, 32, 128, 256, 1024], args.cache)}
+    if not args.skip_training:
+        result["training"] = training_section(model, args.ranks, args.repeats, args.steps)
+    result["seconds"] = round(time.time() - started, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_json_atomic(args.out, result)
+    print(f"\nwrote {args.out} ({result['seconds']} s)")
+
+
+if __name__ == "__main__":
+    main()
