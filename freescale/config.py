@@ -205,8 +205,14 @@ class BalanceConfig:
 
 @dataclass
 class TransportConfig:
-    kind: Literal["torch_dist"] = "torch_dist"
-    """Transport of the balancer's sample all-to-all: torch_dist (torch.distributed collectives)."""
+    kind: Literal["torch_dist", "host_staged"] = "torch_dist"
+    """All-to-all / all-gather transport: torch_dist (torch.distributed) or host_staged (SM-free proxy)."""
+    chunk_kib: Annotated[int, Positive] = 1024
+    """host_staged: chunk size of the shared-memory rings; larger messages pipeline chunk by chunk."""
+    slots: Annotated[int, Positive] = 4
+    """host_staged: chunks in flight per ring (per ordered pair of ranks on one host)."""
+    timeout_s: Annotated[float, Range(min=0.1)] = 60.0
+    """host_staged: a collective with no progress for this long fails (a dead peer fails at once)."""
 
 
 @dataclass

@@ -192,7 +192,7 @@ class NullBalancer:
             yield Batch.from_samples(samples, k, self.user_hash_size)
 
 
-def build_balancer(cfg, transport_kind: str, *, user_hash_size: int):
+def build_balancer(cfg, transport_cfg, *, user_hash_size: int):
     """A Balancer on its own gloo process group when ``balance.enable``, else a NullBalancer."""
     if not cfg.enable:
         return NullBalancer(user_hash_size)
@@ -202,5 +202,5 @@ def build_balancer(cfg, transport_kind: str, *, user_hash_size: int):
     from freescale.transport.base import build_transport
 
     group = dist.new_group(backend="gloo")
-    return Balancer(cfg.partition, load_cost_model(cfg.cost_model), build_transport(transport_kind, group),
+    return Balancer(cfg.partition, load_cost_model(cfg.cost_model), build_transport(transport_cfg, group),
                     user_hash_size=user_hash_size, normalize_loss=cfg.partition == "vbs")

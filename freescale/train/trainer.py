@@ -114,7 +114,7 @@ def train(cfg: ExperimentConfig) -> dict:
     instrument_phases(timeline, model, optimizer)
 
     # Balancer: every global batch re-partitioned by cost (a NullBalancer keeps contiguous slices).
-    balancer = build_balancer(cfg.balance, cfg.transport.kind, user_hash_size=cfg.model.user_hash_size)
+    balancer = build_balancer(cfg.balance, cfg.transport, user_hash_size=cfg.model.user_hash_size)
     if topo.is_main and cfg.balance.enable:
         balancer.cost_model.save(os.path.join(run_dir, "cost_model.json"))
 
@@ -136,7 +136,7 @@ def train(cfg: ExperimentConfig) -> dict:
         window.add(out.loss, len(out.sample_ids))
         if _due(state.step, cfg.run.log_every, cfg.train.steps):
             window = _log_progress(state.step, window, metrics, log)
-        if _due(state.step, cfg.train.eval_every, cfg.train.steps):
+        if held_out and _due(state.step, cfg.train.eval_every, cfg.train.steps):
             metrics.write({"step": state.step, **_evaluate(pipeline, held_out, log, state.step)})
         if _due(state.step, cfg.checkpoint.every, cfg.train.steps if cfg.checkpoint.at_end else 0):
             path = checkpointer.save(state.step, checkpointer.app_state(model, optimizer, state.state_dict()))

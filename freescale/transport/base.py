@@ -46,10 +46,11 @@ def register(name: str):
     return wrap
 
 
-def build_transport(kind: str, group: dist.ProcessGroup | None = None, **kwargs) -> Transport:
-    """The transport named ``kind`` over ``group`` (default: the world)."""
-    import freescale.transport.torch_dist  # noqa: F401  registers itself
+def build_transport(cfg, group: dist.ProcessGroup | None = None) -> Transport:
+    """The transport ``cfg.kind`` (a TransportConfig) over ``group`` (default: the world)."""
+    import freescale.transport.host_staged  # noqa: F401  (registers itself)
+    import freescale.transport.torch_dist  # noqa: F401  (registers itself)
 
-    if kind not in TRANSPORTS:
-        raise ValueError(f"unknown transport {kind!r}; expected one of {sorted(TRANSPORTS)}")
-    return TRANSPORTS[kind](group, **kwargs)
+    if cfg.kind not in TRANSPORTS:
+        raise ValueError(f"unknown transport {cfg.kind!r}; expected one of {sorted(TRANSPORTS)}")
+    return TRANSPORTS[cfg.kind](group, cfg)

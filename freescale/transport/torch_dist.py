@@ -25,7 +25,7 @@ class _WorkHandle:
 
 @register("torch_dist")
 class TorchDistTransport:
-    def __init__(self, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, cfg=None) -> None:
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)

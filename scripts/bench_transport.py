@@ -1,0 +1,200 @@
+"""Benchmark of the transports: host_staged (SM-free proxy) against torch_dist (gloo / NCCL).
+
+    .venv/bin/python scripts/bench_transport.py [--ranks 2 4] [--sizes-kib 4 64 1024 16384 65536]
+
+For each rank count, in one job per rank count (real processes, gloo on loopback):
+(1) all-to-all (equal splits) and all-gather of messages from 4 KiB to 64 MiB per rank:
+    median latency over repetitions, bandwidth = bytes each rank sends / latency, and the
+    host_staged / torch_dist ratios;
+(2) the slowdown of a dense compute loop (matmuls) on every rank while each transport runs
+    all-to-alls of 4 MiB concurrently, against the same loop alone.
+(3) On a CUDA machine: a GEMM's slowdown under a concurrent SM-based device copy against a
+    concurrent copy-engine (cudaMemcpyAsync device->pinned host) copy; skipped without CUDA.
+
+Prints tables and writes ``runs/bench_transport.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from freescale.config import TransportConfig  # noqa: E402
+from freescale.io import write_json_atomic  # noqa: E402
+from freescale.transport.base import build_transport  # noqa: E402
+
+KINDS = ("torch_dist", "host_staged")
+
+
+def _time(fn, reps: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _matmul_rate(seconds: float, stop_when=None) -> float:
+    a = torch.randn(256, 256)
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a = torch.tanh(a @ a)
+        n += 1
+    return n / (time.perf_counter() - t0)
+
+
+def _worker(rank: int, world: int, port: int, sizes_kib: list[int], out: dict) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    transports = {k: build_transport(TransportConfig(kind=k)) for k in KINDS}
+    rows = []
+    for kib in sizes_kib:
+        nbytes = kib * 1024
+        per_peer = max(1, nbytes // world)
+        data = torch.randint(0, 255, (per_peer * world,), dtype=torch.uint8)
+        splits = [per_peer] * world
+        gather_in = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+        reps = 20 if kib <= 1024 else 5
+        for kind, t in transports.items():
+            a2a = _time(lambda: t.all_to_all_single(data, splits, splits).wait(), reps)
+            ag = _time(lambda: t.all_gather(gather_in).wait(), reps)
+            rows.append({"kib": kib, "transport": kind, "all_to_all_s": a2a, "all_gather_s": ag,
+                         "all_to_all_gbps": nbytes / a2a / 1e9, "all_gather_gbps": nbytes * (world - 1) / ag / 1e9})
+    # Dense compute alone, then with each transport's all-to-alls running concurrently.
+    dist.barrier()
+    alone = _matmul_rate(2.0)
+    overlap = {}
+    payload = torch.randint(0, 255, (4 << 20,), dtype=torch.uint8)
+    splits = [payload.numel() // world] * world
+    for kind, t in transports.items():
+        dist.barrier()
+        handles = [t.all_to_all_single(payload, splits, splits) for _ in range(3)]
+        n, t0 = 0, time.perf_counter()
+        a = torch.randn(256, 256)
+        moved = 0
+        while time.perf_counter() - t0 < 2.0:
+            a = torch.tanh(a @ a)
+            n += 1
+            if handles and (n % 4 == 0):
+                handles.pop(0).wait()
+                handles.append(t.all_to_all_single(payload, splits, splits))
+                moved += 1
+        rate = n / (time.perf_counter() - t0)
+        for h in handles:
+            h.wait()
+        overlap[kind] = {"matmuls_per_s": rate, "slowdown": alone / rate, "all_to_alls": moved}
+    for t in transports.values():
+        getattr(t, "close", lambda: None)()
+    if rank == 0:
+        out["rows"] = rows
+        out["compute_alone_per_s"] = alone
+        out["overlap"] = overlap
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_world(world: int, sizes_kib: list[int]) -> dict:
+    ctx = mp.get_context("spawn")
+    manager = ctx.Manager()
+    out = manager.dict()
+    port = _port()
+    procs = [ctx.Process(target=_worker, args=(r, world, port, sizes_kib, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        if p.exitcode:
+            raise SystemExit(f"a rank of the {world}-rank job failed with exit code {p.exitcode}")
+    return dict(out)
+
+
+def gpu_section() -> dict | None:
+    if not torch.cuda.is_available():
+        print("\n(3) GPU: skipped (no CUDA device)")
+        return None
+    dev = torch.device("cuda")
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    src = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
+    dst_dev = torch.empty_like(src)
+    dst_host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
+    side = torch.cuda.Stream()
+
+    def gemm_ms(copy) -> float:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if copy is not None:
+            with torch.cuda.stream(side):
+                for _ in range(8):
+                    copy()
+        start.record()
+        for _ in range(20):
+            a @ a
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / 20
+
+    gemm_ms(None)
+    alone = gemm_ms(None)
+    sm_copy = gemm_ms(lambda: dst_dev.copy_(src * 1))  # an elementwise kernel: runs on SMs
+    ce_copy = gemm_ms(lambda: dst_host.copy_(src, non_blocking=True))  # copy engine
+    result = {"gemm_alone_ms": alone, "with_sm_copy_ms": sm_copy, "with_copy_engine_ms": ce_copy,
+              "sm_copy_slowdown": sm_copy / alone, "copy_engine_slowdown": ce_copy / alone}
+    print("\n(3) GPU: GEMM 8192^2 bf16 with a concurrent 512 MiB copy")
+    print(f"| alone | {alone:.3f} ms |\n| with SM copy kernel | {sm_copy:.3f} ms ({sm_copy / alone:.3f}x) |\n"
+          f"| with copy-engine D2H | {ce_copy:.3f} ms ({ce_copy / alone:.3f}x) |")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sizes-kib", type=int, nargs="+", default=[4, 64, 1024, 4096, 16384, 65536])
+    parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_transport.json"))
+    parser.add_argument("--gpu-only", action="store_true", help="only the GPU section")
+    args = parser.parse_args()
+
+    result = {"worlds": {}}
+    for world in ([] if args.gpu_only else args.ranks):
+        data = run_world(world, args.sizes_kib)
+        result["worlds"][world] = data
+        print(f"\n(1) {world} ranks on one host (bytes per rank; GB/s = bytes a rank sends / latency)")
+        print("| size | op | torch_dist ms | host_staged ms | torch_dist GB/s | host_staged GB/s | host_staged / torch_dist bandwidth |")
+        print("|---|---|---|---|---|---|---|")
+        by = {(r["kib"], r["transport"]): r for r in data["rows"]}
+        for kib in args.sizes_kib:
+            for op in ("all_to_all", "all_gather"):
+                ref, hs = by[(kib, "torch_dist")], by[(kib, "host_staged")]
+                size = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
+                print(f"| {size} | {op} | {1e3 * ref[op + '_s']:.3f} | {1e3 * hs[op + '_s']:.3f} | "
+                      f"{ref[op + '_gbps']:.3f} | {hs[op + '_gbps']:.3f} | {ref[op + '_s'] / hs[op + '_s']:.2f}x |")
+        print(f"\n(2) {world} ranks: matmul loop alone {data['compute_alone_per_s']:.1f}/s")
+        for kind, o in data["overlap"].items():
+            print(f"| with {kind} all-to-alls | {o['matmuls_per_s']:.1f}/s | slowdown {o['slowdown']:.3f}x |")
+    result["gpu"] = gpu_section()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_json_atomic(args.out, result)
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
