@@ -207,7 +207,7 @@ class BalanceConfig:
 class TransportConfig:
     kind: Literal["torch_dist", "host_staged"] = "torch_dist"
     """All-to-all / all-gather transport: torch_dist (torch.distributed) or host_staged (SM-free proxy)."""
-    chunk_kib: Annotated[int, Positive] = 1024
+    chunk_kib: Annotated[int, Positive] = 4096
     """host_staged: chunk size of the shared-memory rings; larger messages pipeline chunk by chunk."""
     slots: Annotated[int, Positive] = 4
     """host_staged: chunks in flight per ring (per ordered pair of ranks on one host)."""

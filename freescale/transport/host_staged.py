@@ -128,6 +128,7 @@ class HostStagedTransport:
         for src in range(self.world_size):
             if src != self.rank and self.local[src]:
                 shm = shared_memory.SharedMemory(name=self._name(src, self.rank), create=True, size=size)
+                _untrack(shm)
                 shm.buf[:_HEADER] = bytes(_HEADER)
                 self.inbound[src] = _Channel(shm, self.chunk, self.slots)
         dist.barrier(group=self.group)
@@ -138,7 +139,7 @@ class HostStagedTransport:
                 self.outbound[dst] = _Channel(shm, self.chunk, self.slots)
         dist.barrier(group=self.group)
         for ch in self.inbound.values():
-            ch.shm.unlink()  # also drops it from Python's resource tracker
+            shared_memory._posixshmem.shm_unlink(ch.shm._name)  # noqa: SLF001  (untracked: see _untrack)
 
         self._pinned: dict[str, torch.Tensor] = {}
         self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
@@ -330,8 +331,8 @@ def _alive(pid: int) -> bool:
 
 
 def _untrack(shm: shared_memory.SharedMemory) -> None:
-    """Opening a segment registers it with Python's resource tracker as if this process owned
-    it; the creator unlinks it, so drop the registration."""
+    """Keep Python's resource tracker out: creating and opening a segment both register it (and
+    ranks spawned from one parent share a tracker), while the lifetime here is explicit."""
     try:
         resource_tracker.unregister(shm._name, "shared_memory")  # noqa: SLF001
     except Exception:

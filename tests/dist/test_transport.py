@@ -80,3 +80,18 @@ def test_dead_peer_fails_within_timeout_and_leaves_no_segments(tmp_path):
     elapsed, prefix = marker.read_text().split()
     assert float(elapsed) < 30.0
     assert not glob.glob(f"/dev/shm/{prefix}*")
+
+
+@pytest.mark.slow
+def test_training_through_host_staged_matches_torch_dist(tmp_path):
+    """The balancer's sample exchange through either transport trains to the same losses."""
+    from helpers.launch import FAST, QUICKSTART, check, torchrun, train_losses
+
+    losses = {}
+    for kind in ("torch_dist", "host_staged"):
+        run_dir = tmp_path / kind
+        check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=5", f"--run.dir={run_dir}",
+                       "--balance.enable=true", "--balance.partition=karmarkar_karp", f"--transport.kind={kind}"))
+        losses[kind] = train_losses(run_dir)
+    assert sorted(losses["host_staged"]) == [1, 2, 3, 4, 5]
+    assert losses["host_staged"] == losses["torch_dist"]
