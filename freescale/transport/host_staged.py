@@ -31,6 +31,7 @@ Collectives are executed in the order they were issued, as with any process grou
 
 from __future__ import annotations
 
+import itertools
 import os
 import queue
 import threading
@@ -216,12 +217,10 @@ class HostStagedTransport:
 
         handle = _Handle(op, finish)
         in_bytes = [n * row_bytes for n in input_splits]
-        if gather:  # every destination reads the same bytes: offsets all start at 0
-            in_offsets = [0] * self.world_size
-        else:
-            in_offsets = np.concatenate([[0], np.cumsum(in_bytes)[:-1]]).astype(np.int64).tolist()
+        # Every destination of an all-gather reads the same bytes: its offsets all start at 0.
+        in_offsets = [0] * self.world_size if gather else [0, *itertools.accumulate(in_bytes)][:-1]
         out_bytes = [n * row_bytes for n in output_splits]
-        out_offsets = np.concatenate([[0], np.cumsum(out_bytes)[:-1]]).astype(np.int64).tolist()
+        out_offsets = [0, *itertools.accumulate(out_bytes)][:-1]
         self._ops.put((handle, ready, send, in_offsets, in_bytes, recv, out_offsets, out_bytes, (tensor, out_host)))
         return handle
 
