@@ -143,6 +143,7 @@ class HostStagedTransport:
             shared_memory._posixshmem.shm_unlink(ch.shm._name)  # noqa: SLF001  (untracked: see _untrack)
 
         self._pinned: dict[str, torch.Tensor] = {}
+        self._outputs: dict[tuple, list[torch.Tensor]] = {}
         self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._ops: queue.Queue = queue.Queue()
         self._closed = False
@@ -188,8 +189,7 @@ class HostStagedTransport:
         tensor = tensor.contiguous()
         row_shape = tuple(tensor.shape[1:])
         row_bytes = tensor.element_size() * int(np.prod(row_shape, dtype=np.int64))
-        out_host = torch.empty((sum(output_splits), *row_shape), dtype=tensor.dtype,
-                               pin_memory=tensor.is_cuda)
+        out_host = self._output((sum(output_splits), *row_shape), tensor.dtype, pinned=tensor.is_cuda)
         ready = None
         if tensor.is_cuda:
             host_in = self._staging("in", tensor)
@@ -224,6 +224,24 @@ class HostStagedTransport:
         self._ops.put((handle, ready, send, in_offsets, in_bytes, recv, out_offsets, out_bytes, (tensor, out_host)))
         return handle
 
+    def _output(self, shape: tuple, dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+        """A host tensor for a result, from a pool of buffers the callers have let go of.
+
+        Fresh large allocations come from the kernel page by page on first touch; reusing a
+        buffer whose storage nobody references any more avoids that on every call.
+        """
+        nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+        size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())  # power-of-two classes from 4 KiB
+        pool = self._outputs.setdefault((size, pinned), [])
+        for buf in pool:
+            if torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2:  # only the pool holds it
+                break
+        else:
+            buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            if len(pool) < 4:
+                pool.append(buf)
+        return buf[:nbytes].view(dtype).view(shape)
+
     def _staging(self, key: str, like: torch.Tensor) -> torch.Tensor:
         """A reused pinned host buffer at least as large as ``like`` (grown, never shrunk per call)."""
         nbytes = like.numel() * like.element_size()
@@ -251,7 +269,7 @@ class HostStagedTransport:
         if ready is not None:
             ready.synchronize()
         me = self.rank
-        recv[out_offsets[me]:out_offsets[me] + out_bytes[me]] = send[in_offsets[me]:in_offsets[me] + in_bytes[me]]
+        own_copied = False
         sent = {d: 0 for d in range(self.world_size) if d != me}
         got = {s: 0 for s in range(self.world_size) if s != me}
         remote = self._start_remote(send, in_offsets, in_bytes, recv, out_offsets, out_bytes)
@@ -267,6 +285,10 @@ class HostStagedTransport:
                     ch.write(send[start:start + n])
                     sent[d] += n
                     progressed = True
+            if not own_copied:
+                # This rank's own share, copied while the peers read the first chunks.
+                recv[out_offsets[me]:out_offsets[me] + out_bytes[me]] = send[in_offsets[me]:in_offsets[me] + in_bytes[me]]
+                own_copied = True
             for s, ch in self.inbound.items():
                 while got[s] < out_bytes[s] and ch.can_read():
                     n = min(self.chunk, out_bytes[s] - got[s])
