@@ -234,7 +234,7 @@ class HostStagedTransport:
         size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())  # power-of-two classes from 4 KiB
         pool = self._outputs.setdefault((size, pinned), [])
         for buf in pool:
-            if torch._C._storage_Use_Count(buf.untyped_storage()._cdata) == 2:  # only the pool holds it
+            if _only_pool_holds(buf):
                 break
         else:
             buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
@@ -331,6 +331,15 @@ class HostStagedTransport:
                 chunk = torch.from_numpy(recv[out_offsets[peer]:out_offsets[peer] + out_bytes[peer]])
                 works.append(dist.irecv(chunk, self._global[peer], group=self.group))
         return works
+
+
+_use_count = getattr(torch._C, "_storage_Use_Count", None)  # noqa: SLF001
+
+
+def _only_pool_holds(buf: torch.Tensor) -> bool:
+    """No tensor but the pool's own references ``buf``'s storage (2: the pool's tensor and the
+    temporary storage object). Without the counter (other torch builds) nothing is reused."""
+    return _use_count is not None and _use_count(buf.untyped_storage()._cdata) == 2  # noqa: SLF001
 
 
 def _alive(pid: int) -> bool:

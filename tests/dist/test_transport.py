@@ -95,3 +95,23 @@ def test_training_through_host_staged_matches_torch_dist(tmp_path):
         losses[kind] = train_losses(run_dir)
     assert sorted(losses["host_staged"]) == [1, 2, 3, 4, 5]
     assert losses["host_staged"] == losses["torch_dist"]
+
+
+def _pool_reuse(rank, world):
+    staged = build_transport(TransportConfig(kind="host_staged"))
+    x = torch.arange(1000, dtype=torch.float32) + rank
+    first = staged.all_gather(x).wait()
+    kept = first.clone()
+    ptr = first.data_ptr()
+    second = staged.all_gather(x).wait()
+    assert second.data_ptr() != ptr  # `first` is still held: its buffer is not handed out again
+    assert torch.equal(first, kept)
+    del first
+    third = staged.all_gather(x).wait()
+    assert third.data_ptr() == ptr  # released: reused
+    assert torch.equal(third, kept)
+    staged.close()
+
+
+def test_results_reuse_only_released_buffers():
+    run_ranks(2, _pool_reuse)
