@@ -53,6 +53,9 @@ def distributions(cache: str) -> dict:
 
     return {
         "lognormal": synthetic(SyntheticDataConfig(median_uih_len=32, sigma=1.0, tail_prob=0.0), 2048),
+        # The lengths of tests/unit/test_partition.py's 256-rank check.
+        "test-heavy": synthetic(SyntheticDataConfig(median_uih_len=64, sigma=1.0, tail_prob=0.05, tail_min_len=256,
+                                                    tail_alpha=1.1), 2048),
         "heavy-2K": synthetic(bench.synthetic, bench.max_uih_len),
         "heavy-21K": synthetic(SyntheticDataConfig(median_uih_len=32, sigma=1.0, tail_prob=0.02, tail_min_len=512,
                                                    tail_alpha=1.0), 21000),

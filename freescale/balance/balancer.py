@@ -23,6 +23,7 @@ counts (in expectation over partitions; exactly, for a fixed batch).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Iterator
 
 import numpy as np
@@ -60,7 +61,7 @@ class Balancer:
         owner = np.empty(len(L), dtype=np.int64)
         for r, p in enumerate(parts):
             owner[p] = r
-        counts = np.array([n for n in self._slice_counts(len(L), local_count)])
+        counts = self._slice_counts(len(L), local_count)
         source = np.repeat(np.arange(self.world_size), counts)
         words = _META + L + 2 * C
         mine = slice(int(counts[: self.rank].sum()), int(counts[: self.rank + 1].sum()))
@@ -111,12 +112,12 @@ class Balancer:
         samples = exchange.wait()
         return Batch.from_samples(samples, k, self.user_hash_size, loss_scale=exchange.plan.scale)
 
-    def _slice_counts(self, total: int, local_count: int) -> list[int]:
+    def _slice_counts(self, total: int, local_count: int) -> np.ndarray:
         """Samples each rank contributed (equal slices from the loader)."""
         if total != local_count * self.world_size:
             raise ValueError(f"balancer: expected {self.world_size} equal local batches of {local_count}, "
                              f"got {total} samples in all")
-        return [local_count] * self.world_size
+        return np.full(self.world_size, local_count, dtype=np.int64)
 
     def _loss_scale(self, C: np.ndarray, recv: np.ndarray) -> float:
         if not self.normalize_loss:
@@ -124,15 +125,15 @@ class Balancer:
         return float(self.world_size * C[recv].sum() / C.sum())
 
 
+@dataclass
 class _Plan:
-    def __init__(self, *, send_order, send_counts, input_splits, output_splits, recv_sizes, recv_sources, scale) -> None:
-        self.send_order = send_order
-        self.send_counts = send_counts
-        self.input_splits = input_splits
-        self.output_splits = output_splits
-        self.recv_sizes = recv_sizes
-        self.recv_sources = recv_sources
-        self.scale = scale
+    send_order: np.ndarray  # local samples grouped by destination rank
+    send_counts: np.ndarray  # samples to each rank
+    input_splits: list[int]  # int64 words to each rank
+    output_splits: list[int]  # int64 words from each rank
+    recv_sizes: np.ndarray  # (L, C) of the samples this rank receives, in global order
+    recv_sources: np.ndarray  # source rank of each of them
+    scale: float  # loss scale (vbs)
 
 
 class _Exchange:

@@ -58,11 +58,10 @@ def run_dir_of(checkpoint: str) -> str:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str, cfg: CheckpointConfig, *, rank: int, world_size: int) -> None:
+    def __init__(self, run_dir: str, cfg: CheckpointConfig, *, rank: int) -> None:
         self.root = os.path.join(run_dir, "checkpoints")
         self.cfg = cfg
         self.rank = rank
-        self.world_size = world_size
 
     def app_state(self, model: torch.nn.Module, optimizer, trainer_state: dict) -> dict:
         """The state dict tree that is saved and loaded (in place)."""

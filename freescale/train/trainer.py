@@ -96,7 +96,7 @@ def train(cfg: ExperimentConfig) -> dict:
 
     # Resume: model, optimizers, step, data cursor and RNG from the checkpoint.
     state = TrainState()
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint, rank=topo.rank, world_size=topo.world_size)
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint, rank=topo.rank)
     if resume_from:
         init_dense_state(optimizer)
         app = checkpointer.app_state(model, optimizer, state.state_dict())
