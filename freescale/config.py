@@ -207,10 +207,14 @@ class BalanceConfig:
 class TransportConfig:
     kind: Literal["torch_dist", "host_staged"] = "torch_dist"
     """All-to-all / all-gather transport: torch_dist (torch.distributed) or host_staged (SM-free proxy)."""
-    chunk_kib: Annotated[int, Positive] = 4096
-    """host_staged: chunk size of the shared-memory rings; larger messages pipeline chunk by chunk."""
+    local_path: Literal["auto", "cma", "shm_ring"] = "auto"
+    """host_staged between ranks on one host: cma (one copy, read from the sender's buffer with process_vm_readv), shm_ring (two copies through shared-memory rings), auto (cma where the kernel allows it)."""
+    chunk_kib: Annotated[int, Positive] = 1024
+    """host_staged, shm_ring: chunk size of the rings; larger messages pipeline chunk by chunk."""
     slots: Annotated[int, Positive] = 4
-    """host_staged: chunks in flight per ring (per ordered pair of ranks on one host)."""
+    """host_staged, shm_ring: chunks in flight per ring (per ordered pair of ranks on one host)."""
+    spin_us: Annotated[float, Range(min=0.0)] = 200.0
+    """host_staged: how long a waiting proxy polls for its peers before it sleeps (0 = sleep at once)."""
     timeout_s: Annotated[float, Range(min=0.1)] = 60.0
     """host_staged: a collective with no progress for this long fails (a dead peer fails at once)."""
 

@@ -1,11 +1,13 @@
 """Benchmark of the transports: host_staged (SM-free proxy) against torch_dist (gloo / NCCL).
 
-    .venv/bin/python scripts/bench_transport.py [--ranks 2 4] [--sizes-kib 4 64 1024 16384 65536]
+    .venv/bin/python scripts/bench_transport.py [--ranks 2 4] [--sizes-kib 4 64 1024 4096 16384 65536]
+        [--local-paths cma shm_ring]
 
 For each rank count, in one job per rank count (real processes, gloo on loopback):
 (1) all-to-all (equal splits) and all-gather of messages from 4 KiB to 64 MiB per rank:
-    median latency over repetitions, bandwidth = bytes each rank sends / latency, and the
-    host_staged / torch_dist ratios;
+    median latency over repetitions (from the last rank's entry to the last rank's exit; the
+    transports take turns), bandwidth = bytes each rank sends / latency, and the host_staged / torch_dist ratios, for each of host_staged's ways
+    between ranks on one host (``--local-paths``: cma, shm_ring);
 (2) the slowdown of a dense compute loop (matmuls) on every rank while each transport runs
     20 all-to-alls of 4 MiB from a side thread, against the same loop alone.
 (3) On a CUDA machine: a GEMM's slowdown under a concurrent SM-based device copy against a
@@ -35,18 +37,38 @@ from freescale.config import TransportConfig  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
 from freescale.transport.base import build_transport  # noqa: E402
 
-KINDS = ("torch_dist", "host_staged")
 
 
-def _time(fn, reps: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _build(name: str):
+    """``torch_dist`` or ``host_staged[<local path>]``."""
+    if name == "torch_dist":
+        return build_transport(TransportConfig(kind="torch_dist"))
+    path = name[len("host_staged["):-1]
+    return build_transport(TransportConfig(kind="host_staged", local_path=path))
+
+
+def _time(fns: dict, reps: int) -> dict:
+    """Median latency of each function over ``reps`` collectives.
+
+    One collective's latency is from the moment the last rank enters it to the moment the
+    last rank leaves it (ranks share the host's monotonic clock), so how unevenly the barrier
+    before it releases the ranks is not counted. The transports take turns, so drift on the
+    machine hits both alike.
+    """
+    for fn in fns.values():
+        fn()  # warm
+    spans = {k: [] for k in fns}
+    for i in range(reps):
+        for k in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fns[k]()
+            spans[k].append((t0, time.perf_counter()))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, spans)
+    return {k: statistics.median(max(r[k][i][1] for r in everyone) - max(r[k][i][0] for r in everyone)
+                                 for i in range(reps))
+            for k in fns}
 
 
 def _matmul_rate(seconds: float, stop_when=None) -> float:
@@ -58,10 +80,10 @@ def _matmul_rate(seconds: float, stop_when=None) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def _worker(rank: int, world: int, port: int, sizes_kib: list[int], out: dict) -> None:
+def _worker(rank: int, world: int, port: int, sizes_kib: list[int], names: list[str], out: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    transports = {k: build_transport(TransportConfig(kind=k)) for k in KINDS}
+    transports = {k: _build(k) for k in names}
     rows = []
     for kib in sizes_kib:
         nbytes = kib * 1024
@@ -69,14 +91,15 @@ def _worker(rank: int, world: int, port: int, sizes_kib: list[int], out: dict) -
         data = torch.randint(0, 255, (per_peer * world,), dtype=torch.uint8)
         splits = [per_peer] * world
         gather_in = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        reps = 20 if kib <= 1024 else 5
-        for kind, t in transports.items():
-            if rank == 0:
-                print(f"[bench_transport] {world} ranks, {kib} KiB, {kind}", file=sys.stderr, flush=True)
-            a2a = _time(lambda: t.all_to_all_single(data, splits, splits).wait(), reps)
-            ag = _time(lambda: t.all_gather(gather_in).wait(), reps)
-            rows.append({"kib": kib, "transport": kind, "all_to_all_s": a2a, "all_gather_s": ag,
-                         "all_to_all_gbps": nbytes / a2a / 1e9, "all_gather_gbps": nbytes * (world - 1) / ag / 1e9})
+        reps = 200 if kib <= 1024 else 30 if kib <= 4096 else 10 if kib <= 16384 else 4
+        if rank == 0:
+            print(f"[bench_transport] {world} ranks, {kib} KiB, {reps} repetitions", file=sys.stderr, flush=True)
+        a2a = _time({k: (lambda t=t: t.all_to_all_single(data, splits, splits).wait()) for k, t in transports.items()}, reps)
+        ag = _time({k: (lambda t=t: t.all_gather(gather_in).wait()) for k, t in transports.items()}, reps)
+        for kind in transports:
+            rows.append({"kib": kib, "transport": kind, "reps": reps, "all_to_all_s": a2a[kind], "all_gather_s": ag[kind],
+                         "all_to_all_gbps": nbytes / a2a[kind] / 1e9,
+                         "all_gather_gbps": nbytes * (world - 1) / ag[kind] / 1e9})
     # Dense compute alone, then with each transport's all-to-alls running concurrently.
     dist.barrier()
     alone = _matmul_rate(2.0)
@@ -113,12 +136,12 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def run_world(world: int, sizes_kib: list[int]) -> dict:
+def run_world(world: int, sizes_kib: list[int], names: list[str]) -> dict:
     ctx = mp.get_context("spawn")
     manager = ctx.Manager()
     out = manager.dict()
     port = _port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, sizes_kib, out)) for r in range(world)]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, sizes_kib, names, out)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -170,23 +193,29 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sizes-kib", type=int, nargs="+", default=[4, 64, 1024, 4096, 16384, 65536])
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_transport.json"))
+    parser.add_argument("--local-paths", nargs="+", default=["cma", "shm_ring"], choices=["cma", "shm_ring"],
+                        help="host_staged's ways between ranks on one host to measure (transport.local_path)")
     parser.add_argument("--gpu-only", action="store_true", help="only the GPU section")
     args = parser.parse_args()
 
+    staged = [f"host_staged[{p}]" for p in args.local_paths]
     result = {"worlds": {}}
     for world in ([] if args.gpu_only else args.ranks):
-        data = run_world(world, args.sizes_kib)
+        data = run_world(world, args.sizes_kib, ["torch_dist", *staged])
         result["worlds"][world] = data
-        print(f"\n(1) {world} ranks on one host (bytes per rank; GB/s = bytes a rank sends / latency)")
-        print("| size | op | torch_dist ms | host_staged ms | torch_dist GB/s | host_staged GB/s | host_staged / torch_dist bandwidth |")
-        print("|---|---|---|---|---|---|---|")
+        print(f"\n(1) {world} ranks on one host: median latency in ms (GB/s = bytes a rank sends / latency), "
+              f"and bandwidth relative to torch_dist")
+        print("| size | op | torch_dist | " + " | ".join(staged) + " | " + " | ".join(f"{s} / torch_dist" for s in staged) + " |")
+        print("|---" * (3 + 2 * len(staged)) + "|")
         by = {(r["kib"], r["transport"]): r for r in data["rows"]}
         for kib in args.sizes_kib:
             for op in ("all_to_all", "all_gather"):
-                ref, hs = by[(kib, "torch_dist")], by[(kib, "host_staged")]
+                ref = by[(kib, "torch_dist")]
                 size = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
-                print(f"| {size} | {op} | {1e3 * ref[op + '_s']:.3f} | {1e3 * hs[op + '_s']:.3f} | "
-                      f"{ref[op + '_gbps']:.3f} | {hs[op + '_gbps']:.3f} | {ref[op + '_s'] / hs[op + '_s']:.2f}x |")
+                cells = [f"{1e3 * r[op + '_s']:.3f} ({r[op + '_gbps']:.2f} GB/s)"
+                         for r in (ref, *(by[(kib, s)] for s in staged))]
+                ratios = [f"{ref[op + '_s'] / by[(kib, s)][op + '_s']:.2f}x" for s in staged]
+                print(f"| {size} | {op} | " + " | ".join(cells + ratios) + " |")
         print(f"\n(2) {world} ranks: matmul loop alone {data['compute_alone_per_s']:.1f}/s")
         for kind, o in data["overlap"].items():
             print(f"| with {kind} all-to-alls of 4 MiB | {o['matmuls_per_s']:.1f}/s | slowdown {o['slowdown']:.3f}x | "

@@ -3,6 +3,7 @@
 import glob
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -12,7 +13,12 @@ from freescale.config import TransportConfig
 from freescale.transport.base import TransportError, build_transport
 from helpers.spawn import run_ranks
 
-SMALL_CHUNK = TransportConfig(kind="host_staged", chunk_kib=4, slots=2, timeout_s=20)
+PATHS = ["cma", "shm_ring"]
+
+
+def _staged(local_path, **kw):
+    """host_staged with small rings (shm_ring: messages of many chunks)."""
+    return build_transport(TransportConfig(kind="host_staged", local_path=local_path, chunk_kib=4, slots=2, **kw))
 
 
 def _random_splits(world, gen, zeros=True):
@@ -23,8 +29,9 @@ def _random_splits(world, gen, zeros=True):
     return m
 
 
-def _compare(rank, world):
-    staged = build_transport(SMALL_CHUNK)
+def _compare(rank, world, local_path):
+    staged = _staged(local_path, timeout_s=20)
+    assert staged.local_path == local_path
     reference = build_transport(TransportConfig(kind="torch_dist"))
     gen = torch.Generator().manual_seed(1234)  # same on every rank: same split matrices
     cases = [(torch.float32, (5,)), (torch.int64, ()), (torch.bfloat16, (3, 4)), (torch.uint8, (700,))]
@@ -46,20 +53,30 @@ def _compare(rank, world):
         assert torch.equal(staged.all_gather(mine, sizes).wait(), reference.all_gather(mine, sizes).wait())
         equal = torch.full((4, 2), rank, dtype=torch.int32)
         assert torch.equal(staged.all_gather(equal).wait(), reference.all_gather(equal).wait())
-    # Several collectives in flight at once complete in order.
+    # Several collectives in flight at once complete in order, whichever is waited for first.
     handles = [staged.all_gather(torch.tensor([rank * 10 + i])) for i in range(5)]
-    for i, h in enumerate(handles):
-        assert h.wait().tolist() == [r * 10 + i for r in range(world)]
+    for i in (4, 0, 2, 1, 3):
+        assert handles[i].wait().tolist() == [r * 10 + i for r in range(world)]
+    # Collectives issued and waited for from another thread while this one goes on.
+    x = torch.arange(64, dtype=torch.int64) + 100 * rank
+    sends = [64 // world] * world
+    sends[-1] += 64 - sum(sends)
+    receives = [sends[rank]] * world
+    with ThreadPoolExecutor(1) as pool:
+        side = pool.submit(lambda: [staged.all_to_all_single(x, sends, receives).wait() for _ in range(20)]).result()
+    want = reference.all_to_all_single(x, sends, receives).wait()
+    assert all(torch.equal(got, want) for got in side)
     staged.close()
 
 
+@pytest.mark.parametrize("local_path", PATHS)
 @pytest.mark.parametrize("world", [2, 3, 4])
-def test_host_staged_equals_torch_dist(world):
-    run_ranks(world, _compare)
+def test_host_staged_equals_torch_dist(world, local_path):
+    run_ranks(world, _compare, local_path)
 
 
-def _victim(rank, world, marker):
-    staged = build_transport(TransportConfig(kind="host_staged", chunk_kib=4, slots=2, timeout_s=30))
+def _victim(rank, world, marker, local_path):
+    staged = _staged(local_path, timeout_s=30)
     # Warm up: one collective that completes.
     staged.all_gather(torch.tensor([rank])).wait()
     if rank == 1:
@@ -73,13 +90,60 @@ def _victim(rank, world, marker):
     os._exit(0)  # the group is broken; skip the harness's final barrier
 
 
-def test_dead_peer_fails_within_timeout_and_leaves_no_segments(tmp_path):
+@pytest.mark.parametrize("local_path", PATHS)
+def test_dead_peer_fails_within_timeout_and_leaves_no_segments(tmp_path, local_path):
     marker = tmp_path / "rank0.txt"
     with pytest.raises(AssertionError):  # rank 1's exit is reported by the harness
-        run_ranks(2, _victim, str(marker))
+        run_ranks(2, _victim, str(marker), local_path)
     elapsed, prefix = marker.read_text().split()
     assert float(elapsed) < 30.0
     assert not glob.glob(f"/dev/shm/{prefix}*")
+
+
+def _absent(rank, world, local_path):
+    staged = _staged(local_path, timeout_s=1.0)
+    staged.all_gather(torch.tensor([rank])).wait()
+    if rank == 0:
+        t0 = time.monotonic()
+        with pytest.raises(TransportError, match=r"no progress for 1 s waiting for rank\(s\) \[1\]"):
+            staged.all_to_all_single(torch.zeros(8), [4, 4], [4, 4]).wait()
+        assert time.monotonic() - t0 < 5.0
+        # The peers' state is unknown now: later collectives fail at once, naming the cause.
+        with pytest.raises(TransportError, match="an earlier collective failed: no progress"):
+            staged.all_gather(torch.tensor([rank])).wait()
+    dist.barrier()  # rank 1 never issued the collective; it is alive all along
+    staged.close()
+
+
+@pytest.mark.parametrize("local_path", PATHS)
+def test_peer_that_never_arrives_fails_at_the_timeout(local_path):
+    run_ranks(2, _absent, local_path)
+
+
+def _mismatch(rank, world, width):
+    staged = _staged("cma", timeout_s=30)
+    # Rank 0 sends rank 1 two rows; rank 1 expects one. Rows of `width` floats: 1 goes through
+    # the rings, 1024 (8 KiB > the 4 KiB chunk) is read in place.
+    sends = [[1, 2], [2, 2]][rank]
+    receives = [[1, 2], [1, 2]][rank]
+    t0 = time.monotonic()
+    if rank == 1:
+        with pytest.raises(TransportError, match=f"rank 0 sends {8 * width} bytes but this rank expects {4 * width} "
+                                                 r"\(splits or sizes differ between ranks\)"):
+            staged.all_to_all_single(torch.zeros(sum(sends), width), sends, receives).wait()
+    else:
+        # Rank 0's own view is consistent: it fails as soon as it waits on rank 1 (at once when
+        # its message is read in place, at its next collective when it went through the ring).
+        with pytest.raises(TransportError, match="rank 1 failed (this|an earlier) collective"):
+            staged.all_to_all_single(torch.zeros(sum(sends), width), sends, receives).wait()
+            staged.all_gather(torch.zeros(1)).wait()
+    assert time.monotonic() - t0 < 10.0  # told by its peer, not left to the timeout
+    staged.close()
+
+
+@pytest.mark.parametrize("width", [1, 1024])
+def test_mismatched_splits_fail_on_both_ranks(width):
+    run_ranks(2, _mismatch, width)
 
 
 @pytest.mark.slow
