@@ -213,7 +213,7 @@ class TransportConfig:
     """host_staged, shm_ring: chunk size of the rings; larger messages pipeline chunk by chunk."""
     slots: Annotated[int, Positive] = 4
     """host_staged, shm_ring: chunks in flight per ring (per ordered pair of ranks on one host)."""
-    spin_us: Annotated[float, Range(min=0.0)] = 200.0
+    spin_us: Annotated[float, Range(min=0.0)] = 1000.0
     """host_staged: how long a waiting proxy polls for its peers before it sleeps (0 = sleep at once)."""
     timeout_s: Annotated[float, Range(min=0.1)] = 60.0
     """host_staged: a collective with no progress for this long fails (a dead peer fails at once)."""

@@ -4,10 +4,12 @@
         [--local-paths cma shm_ring]
 
 For each rank count, in one job per rank count (real processes, gloo on loopback):
-(1) all-to-all (equal splits) and all-gather of messages from 4 KiB to 64 MiB per rank:
-    median latency over repetitions (from the last rank's entry to the last rank's exit; the
-    transports take turns), bandwidth = bytes each rank sends / latency, and the host_staged / torch_dist ratios, for each of host_staged's ways
-    between ranks on one host (``--local-paths``: cma, shm_ring);
+(1) all-to-all (equal splits) and all-gather of messages from 4 KiB to 64 MiB per rank, for
+    torch_dist and each of host_staged's ways between ranks on one host (``--local-paths``):
+    bandwidth = bytes each rank sends / time per collective in a stream of collectives back
+    to back, and the latency of one collective alone (medians; each timed from the last
+    rank's start to the last rank's end; the transports take turns), with the ratios to
+    torch_dist;
 (2) the slowdown of a dense compute loop (matmuls) on every rank while each transport runs
     20 all-to-alls of 4 MiB from a side thread, against the same loop alone.
 (3) On a CUDA machine: a GEMM's slowdown under a concurrent SM-based device copy against a
@@ -47,13 +49,15 @@ def _build(name: str):
     return build_transport(TransportConfig(kind="host_staged", local_path=path))
 
 
-def _time(fns: dict, reps: int) -> dict:
-    """Median latency of each function over ``reps`` collectives.
+def _time(fns: dict, reps: int, stream: int = 1) -> dict:
+    """Median seconds per collective of each function, over ``reps`` samples.
 
-    One collective's latency is from the moment the last rank enters it to the moment the
-    last rank leaves it (ranks share the host's monotonic clock), so how unevenly the barrier
-    before it releases the ranks is not counted. The transports take turns, so drift on the
-    machine hits both alike.
+    A sample is ``stream`` collectives back to back after a barrier (1: the latency of one
+    collective; more: the time per collective of a stream, from which bandwidth is derived,
+    as collective benchmarks do). It runs from the moment the last rank starts to the moment
+    the last rank is done (ranks share the host's monotonic clock), so how unevenly the
+    barrier releases the ranks is not counted. The transports take turns, so drift on the
+    machine hits all alike.
     """
     for fn in fns.values():
         fn()  # warm
@@ -62,12 +66,13 @@ def _time(fns: dict, reps: int) -> dict:
         for k in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
             dist.barrier()
             t0 = time.perf_counter()
-            fns[k]()
+            for _ in range(stream):
+                fns[k]()
             spans[k].append((t0, time.perf_counter()))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, spans)
     return {k: statistics.median(max(r[k][i][1] for r in everyone) - max(r[k][i][0] for r in everyone)
-                                 for i in range(reps))
+                                 for i in range(reps)) / stream
             for k in fns}
 
 
@@ -91,15 +96,20 @@ def _worker(rank: int, world: int, port: int, sizes_kib: list[int], names: list[
         data = torch.randint(0, 255, (per_peer * world,), dtype=torch.uint8)
         splits = [per_peer] * world
         gather_in = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
-        reps = 200 if kib <= 1024 else 30 if kib <= 4096 else 10 if kib <= 16384 else 4
+        reps, stream = (200, 10) if kib <= 1024 else (30, 5) if kib <= 4096 else (10, 3) if kib <= 16384 else (4, 2)
         if rank == 0:
-            print(f"[bench_transport] {world} ranks, {kib} KiB, {reps} repetitions", file=sys.stderr, flush=True)
-        a2a = _time({k: (lambda t=t: t.all_to_all_single(data, splits, splits).wait()) for k, t in transports.items()}, reps)
-        ag = _time({k: (lambda t=t: t.all_gather(gather_in).wait()) for k, t in transports.items()}, reps)
+            print(f"[bench_transport] {world} ranks, {kib} KiB: {reps} single collectives, {max(reps // 5, 3)} streams "
+                  f"of {stream}", file=sys.stderr, flush=True)
+        ops = {"all_to_all": {k: (lambda t=t: t.all_to_all_single(data, splits, splits).wait()) for k, t in transports.items()},
+               "all_gather": {k: (lambda t=t: t.all_gather(gather_in).wait()) for k, t in transports.items()}}
+        sent = {"all_to_all": nbytes, "all_gather": nbytes * (world - 1)}  # bytes each rank sends
+        measured = {op: (_time(fns, reps), _time(fns, max(reps // 5, 3), stream)) for op, fns in ops.items()}
         for kind in transports:
-            rows.append({"kib": kib, "transport": kind, "reps": reps, "all_to_all_s": a2a[kind], "all_gather_s": ag[kind],
-                         "all_to_all_gbps": nbytes / a2a[kind] / 1e9,
-                         "all_gather_gbps": nbytes * (world - 1) / ag[kind] / 1e9})
+            row = {"kib": kib, "transport": kind, "reps": reps, "stream": stream}
+            for op, (latency, per_op) in measured.items():
+                row.update({f"{op}_latency_s": latency[kind], f"{op}_stream_s": per_op[kind],
+                            f"{op}_gbps": sent[op] / per_op[kind] / 1e9})
+            rows.append(row)
     # Dense compute alone, then with each transport's all-to-alls running concurrently.
     dist.barrier()
     alone = _matmul_rate(2.0)
@@ -203,19 +213,25 @@ def main() -> None:
     for world in ([] if args.gpu_only else args.ranks):
         data = run_world(world, args.sizes_kib, ["torch_dist", *staged])
         result["worlds"][world] = data
-        print(f"\n(1) {world} ranks on one host: median latency in ms (GB/s = bytes a rank sends / latency), "
-              f"and bandwidth relative to torch_dist")
-        print("| size | op | torch_dist | " + " | ".join(staged) + " | " + " | ".join(f"{s} / torch_dist" for s in staged) + " |")
-        print("|---" * (3 + 2 * len(staged)) + "|")
         by = {(r["kib"], r["transport"]): r for r in data["rows"]}
-        for kib in args.sizes_kib:
-            for op in ("all_to_all", "all_gather"):
-                ref = by[(kib, "torch_dist")]
-                size = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
-                cells = [f"{1e3 * r[op + '_s']:.3f} ({r[op + '_gbps']:.2f} GB/s)"
-                         for r in (ref, *(by[(kib, s)] for s in staged))]
-                ratios = [f"{ref[op + '_s'] / by[(kib, s)][op + '_s']:.2f}x" for s in staged]
-                print(f"| {size} | {op} | " + " | ".join(cells + ratios) + " |")
+        header = "| size | op | torch_dist | " + " | ".join(staged) + " | " + " | ".join(f"{s} / torch_dist" for s in staged) + " |"
+        for title, cell, ratio in (
+                ("bandwidth in GB/s (bytes a rank sends / time per collective, collectives back to back), "
+                 "and its ratio to torch_dist", lambda r, op: f"{r[op + '_gbps']:.2f}",
+                 lambda ref, r, op: ref[op + "_stream_s"] / r[op + "_stream_s"]),
+                ("latency of one collective in ms, and torch_dist's latency over it",
+                 lambda r, op: f"{1e3 * r[op + '_latency_s']:.3f}",
+                 lambda ref, r, op: ref[op + "_latency_s"] / r[op + "_latency_s"])):
+            print(f"\n(1) {world} ranks on one host: {title}")
+            print(header)
+            print("|---" * (3 + 2 * len(staged)) + "|")
+            for kib in args.sizes_kib:
+                for op in ("all_to_all", "all_gather"):
+                    ref = by[(kib, "torch_dist")]
+                    size = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
+                    cells = [cell(r, op) for r in (ref, *(by[(kib, s)] for s in staged))]
+                    ratios = [f"{ratio(ref, by[(kib, s)], op):.2f}x" for s in staged]
+                    print(f"| {size} | {op} | " + " | ".join(cells + ratios) + " |")
         print(f"\n(2) {world} ranks: matmul loop alone {data['compute_alone_per_s']:.1f}/s")
         for kind, o in data["overlap"].items():
             print(f"| with {kind} all-to-alls of 4 MiB | {o['matmuls_per_s']:.1f}/s | slowdown {o['slowdown']:.3f}x | "

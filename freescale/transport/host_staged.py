@@ -70,6 +70,7 @@ _MSG = struct.Struct("<B3xiqQQ")  # kind, sender rank, collective number, addres
 # any: "this collective failed here" (so the peers fail at once instead of at their timeout).
 _POST, _ACK, _BELL, _FAIL = 1, 2, 3, 4
 _CHECK_S = 0.05  # how often a waiting proxy checks that its peers' processes still run
+_SMALL = 64 << 10  # results up to this size are allocated, larger ones come from the pool
 _GRACE_S = 0.001  # how long the proxy leaves a new collective to a caller that waits for it at once
 
 
@@ -183,7 +184,7 @@ class HostStagedTransport:
         self._peers = self._connect()
         self.inbound: dict[int, _Channel] = {}
         self.outbound: dict[int, _Channel] = {}
-        self._open_rings()  # cma too: messages of up to one chunk go through the rings
+        self._open_rings()  # cma too: messages smaller than a chunk go through the rings
 
         self._pool: dict[tuple, list[torch.Tensor]] = {}
         self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
@@ -366,9 +367,12 @@ class HostStagedTransport:
         """A host tensor from a pool of buffers nobody references any more (results, staging).
 
         Fresh large allocations come from the kernel page by page on first touch; reusing a
-        buffer whose storage no tensor holds avoids that on every call.
+        buffer whose storage no tensor holds avoids that on every call. Small host buffers come
+        from the allocator directly (cheaper than a pool lookup).
         """
         nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes <= _SMALL and not pinned:
+            return torch.empty(shape, dtype=dtype)
         size = 1 << max(12, (max(nbytes, 1) - 1).bit_length())  # power-of-two classes from 4 KiB
         pool = self._pool.setdefault((size, pinned), [])
         for buf in pool:
@@ -386,7 +390,7 @@ class HostStagedTransport:
         """Take over collectives that nobody has started ``_GRACE_S`` after they were issued.
 
         A caller that waits at once runs its collective itself (``_drive``): no hand-off
-        between threads, and the proxy is not even woken (the alarm is disarmed). A caller that
+        between threads, and the proxy wakes only later, to find nothing left. A caller that
         computes in between gets its collective moved by the proxy meanwhile.
         """
         waits = [self._wake_r] if self._alarm is None else [self._wake_r, self._alarm]
@@ -400,8 +404,7 @@ class HostStagedTransport:
                 time.sleep(_GRACE_S)
             else:
                 with self._queue_lock:
-                    self._alarm.clear()
-                    self._alarm.armed = False
+                    self._alarm.take()
             self._run_queued()
         for item in self._ops:
             item.handle.error = RuntimeError("the transport was closed")
@@ -416,10 +419,8 @@ class HostStagedTransport:
         while not handle.done.is_set():
             self._run_queued(until=handle)
             handle.done.wait(0.01)
-        if self._alarm is not None:
-            with self._queue_lock:
-                if not self._ops:
-                    self._alarm.disarm()  # nothing left for the proxy: let it sleep on
+        # The alarm is left to fire: one idle wake-up of the proxy costs less than disarming
+        # after every collective (a timer system call each).
 
     def _run_queued(self, until: _Handle | None = None) -> None:
         """Run queued collectives (up to ``until``'s) unless another thread is running them."""
@@ -453,10 +454,11 @@ class HostStagedTransport:
     def _run(self, op: _Op) -> None:
         """Move one collective's bytes: own share, peers on this host, peers on other hosts.
 
-        Towards a peer on this host, a message of up to one ring chunk (every message, with
+        Towards a peer on this host, a message smaller than a ring chunk (every message, with
         ``shm_ring``) is written into the pair's ring and announced with a POST of address 0;
-        the sender is done once it is written. A larger one is announced with its address and
-        read in place by the receiver (``cma``); the sender is done at the receiver's ACK.
+        the sender is done once it is written (no round trip: small messages are latency-bound).
+        A larger one is announced with its address and read in place by the receiver (``cma``:
+        one copy instead of two); the sender is done at the receiver's ACK.
         """
         if op.ready is not None:
             op.ready.synchronize()
@@ -465,7 +467,7 @@ class HostStagedTransport:
         unacked = set()
         to_ring = {}  # peer -> bytes written into its ring so far
         for d, peer in self._peers.items():
-            if self.local_path == "cma" and op.in_bytes[d] > self.chunk:
+            if self.local_path == "cma" and op.in_bytes[d] >= self.chunk:
                 self._send(peer, _POST, number, op.send + op.in_offsets[d], op.in_bytes[d])
                 unacked.add(d)
             else:
@@ -684,9 +686,10 @@ class _Itimerspec(ctypes.Structure):
 
 
 class _Alarm:
-    """A one-shot ``timerfd``: readable ``seconds`` after ``arm`` unless disarmed first.
+    """A one-shot ``timerfd``: readable ``seconds`` after ``arm``.
 
-    Arming and disarming are single system calls that wake nobody.
+    Arming is one system call and wakes nobody; while armed, ``arm`` does nothing (so a stream
+    of collectives arms it once, not once each).
     """
 
     def __init__(self, fd: int) -> None:
@@ -710,17 +713,13 @@ class _Alarm:
             self._set(seconds)
             self.armed = True
 
-    def disarm(self) -> None:
-        if self.armed:
-            self._set(0.0)
-            self.armed = False
-
-    def clear(self) -> None:
-        """Take a fired alarm (its file descriptor is readable until then)."""
+    def take(self) -> None:
+        """Consume a fired alarm (its file descriptor stays readable until then)."""
         try:
             os.read(self.fd, 8)
         except BlockingIOError:
             pass
+        self.armed = False
 
     def _set(self, seconds: float) -> None:
         spec = self._specs.get(seconds)

@@ -163,7 +163,7 @@ def test_training_through_host_staged_matches_torch_dist(tmp_path):
 
 def _pool_reuse(rank, world):
     staged = build_transport(TransportConfig(kind="host_staged"))
-    x = torch.arange(1000, dtype=torch.float32) + rank
+    x = torch.arange(20000, dtype=torch.float32) + rank  # results above the size that skips the pool
     first = staged.all_gather(x).wait()
     kept = first.clone()
     ptr = first.data_ptr()
