@@ -207,10 +207,10 @@ class BalanceConfig:
 class TransportConfig:
     kind: Literal["torch_dist", "host_staged"] = "torch_dist"
     """All-to-all / all-gather transport: torch_dist (torch.distributed) or host_staged (SM-free proxy)."""
-    local_path: Literal["auto", "cma", "shm_ring"] = "auto"
-    """host_staged between ranks on one host: cma (one copy, read from the sender's buffer with process_vm_readv), shm_ring (two copies through shared-memory rings), auto (cma where the kernel allows it)."""
+    local_path: Literal["auto", "mapped", "shm_ring"] = "auto"
+    """host_staged between ranks on one host: mapped (one copy: senders write into the receiver's result, a memory file peers map), shm_ring (two copies through shared-memory rings), auto (mapped where peers may map each other's memory)."""
     chunk_kib: Annotated[int, Positive] = 1024
-    """host_staged, shm_ring: chunk size of the rings; larger messages pipeline chunk by chunk."""
+    """host_staged: chunk size of the shared-memory rings; with mapped, messages smaller than a chunk go through the rings (no round trip) and larger ones straight into the result."""
     slots: Annotated[int, Positive] = 4
     """host_staged, shm_ring: chunks in flight per ring (per ordered pair of ranks on one host)."""
     spin_us: Annotated[float, Range(min=0.0)] = 1000.0

@@ -7,36 +7,40 @@ the copy stream; the consumer's stream waits on an event, never on the host. On 
 staging copies disappear and the proxy path runs as is.
 
 Every rank runs one proxy thread. Collectives are queued to it in the order they are issued
-(as with any process group) and it executes them one at a time. Between ranks on one host the
-proxies talk over a Unix stream socket per pair of ranks (abstract namespace: nothing on
-disk): short control messages, and the end of a peer's connection is how a dead peer shows.
-The bytes move one of two ways (``transport.local_path``):
+(as with any process group) and run one at a time, by the proxy or by a caller that waits for
+its collective before the proxy has started it (no hand-off between threads then). Between
+ranks on one host the proxies talk over a Unix stream socket per pair of ranks (abstract
+namespace: nothing on disk): short control messages, and the end of a peer's connection is
+how a dead peer shows. The bytes move one of two ways (``transport.local_path``):
 
-- ``cma`` (one copy): a sender posts the address and length of what it sends each peer; the
-  receiver's proxy copies it straight from the sender's buffer into its result with
-  ``process_vm_readv`` (cross-memory attach) and acknowledges; the sender's collective ends
-  once every receiver has acknowledged, so its buffer is never released early.
-- ``shm_ring`` (two copies, where the kernel forbids cross-memory attach): every ordered pair
-  (src, dst) has a ring of ``slots`` chunks of ``chunk_bytes`` in a POSIX shared-memory
+- ``mapped`` (one copy): results of more than 64 KiB live in memory files (``memfd``) that
+  the peers map (through ``/proc/<pid>/fd``). For a message of at least one ring chunk the
+  receiver tells the sender where in its result the message goes, the sender copies it
+  straight there and says so; the receiver's collective ends when every sender has.
+  Messages smaller than a chunk go through the rings below: no round trip, which is what
+  small messages are bound by.
+- ``shm_ring`` (two copies, where peers cannot map each other's memory files): every ordered
+  pair (src, dst) has a ring of ``slots`` chunks of ``chunk_bytes`` in a POSIX shared-memory
   segment with a write and a read counter. The proxy of ``src`` copies a chunk in and bumps
   the write counter; the proxy of ``dst`` copies it out and bumps the read counter; either
   rings the other's doorbell (a message on the pair's socket). Large messages pipeline chunk
   by chunk. The counters are written after the data and read before it; this relies on x86's
   ordered stores (TSO). Segments are created by the receiving rank, opened by the sender and
   unlinked as soon as every rank has opened its channels, so nothing is left in ``/dev/shm``
-  even when a peer crashes.
-- ``auto`` (default) probes cross-memory attach at start-up on every pair and takes ``cma``
-  if all ranks can, ``shm_ring`` otherwise (every rank takes the same).
+  even when a peer crashes (memory files have no name at all).
+- ``auto`` (default) probes at start-up whether every rank can map every peer's memory files
+  and takes ``mapped`` if so, ``shm_ring`` otherwise (every rank takes the same).
 
 Ranks on different hosts exchange their splits with gloo point-to-point messages on the
 transport's own process group, driven by the same progress loop.
 
-Each proxy progresses all its peers at once (no order of peers can deadlock) and sleeps in
-``select`` on its sockets when it has nothing to do. Failure: a peer whose connection ends
-(its process exited), a peer whose process is gone, or no progress for ``timeout_s`` fails the
-collective: ``wait()`` raises ``TransportError`` naming the operation, the peer and the cause.
-After a failure the peers' state is unknown, so every later collective on this transport fails
-at once with the same cause; build a new transport to go on.
+Each proxy progresses all its peers at once (no order of peers can deadlock), polls briefly
+(``spin_us``) and then sleeps in ``select`` on its sockets. Every sender announces the size of
+each message, so splits that disagree between ranks fail with a message saying so. Failure:
+a peer whose connection ends, a peer whose process is gone, or no progress for ``timeout_s``
+fails the collective: ``wait()`` raises ``TransportError`` naming the operation, the peer and
+the cause, and the peers are told. After a failure the peers' state is unknown, so every later
+collective on this transport fails at once with the same cause; build a new transport to go on.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ import collections
 import ctypes
 import itertools
 import math
+import mmap
 import os
 import select
 import socket
@@ -65,10 +70,12 @@ from freescale.transport.base import TransportError, register
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _HEADER = 128  # ring counters: write at byte 0, read at byte 64 (separate cache lines)
-_MSG = struct.Struct("<B3xiqQQ")  # kind, sender rank, collective number, address, bytes
-# cma: "read these bytes of mine", "I have read them"; shm_ring: "look at our rings again";
-# any: "this collective failed here" (so the peers fail at once instead of at their timeout).
-_POST, _ACK, _BELL, _FAIL = 1, 2, 3, 4
+_MSG = struct.Struct("<B3xiqQQQ")  # kind, sender rank, collective number, three fields
+# POST (sender -> receiver): "a message of n bytes for you", in the ring (0) or large (1).
+# WANT (receiver -> sender, large messages): "write it at (buffer, offset)", or (0) "use the ring".
+# DONE (sender -> receiver): "written". BELL: "look at our ring again".
+# FAIL: "this collective failed here" (so the peers fail at once instead of at their timeout).
+_POST, _WANT, _DONE, _BELL, _FAIL = 1, 2, 3, 4, 5
 _CHECK_S = 0.05  # how often a waiting proxy checks that its peers' processes still run
 _SMALL = 64 << 10  # results up to this size are allocated, larger ones come from the pool
 _GRACE_S = 0.001  # how long the proxy leaves a new collective to a caller that waits for it at once
@@ -169,10 +176,10 @@ class HostStagedTransport:
         self._spin_s = cfg.spin_us * 1e-6
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
 
-        _allow_peers_to_read_memory()
-        probe = np.array([os.getpid()], dtype=np.int64)  # what peers read to test cross-memory attach
+        probe = _memory_file(8)  # what peers map to test that they can: holds this rank's pid
+        os.pwrite(probe, struct.pack("<q", os.getpid()), 0)
         info = [None] * self.world_size
-        dist.all_gather_object(info, (os.uname().nodename, os.getpid(), probe.ctypes.data), group=self.group)
+        dist.all_gather_object(info, (os.uname().nodename, os.getpid(), probe), group=self.group)
         host = info[self.rank][0]
         self.pids = [pid for _, pid, _ in info]
         self.local = [h == host for h, _, _ in info]
@@ -180,16 +187,22 @@ class HostStagedTransport:
         dist.broadcast_object_list(token, src=self._global[0], group=self.group)
         self.prefix = f"freescale-{token[0]}"
         self.local_path = self._choose_local_path(cfg.local_path, info)
+        os.close(probe)
 
         self._peers = self._connect()
         self.inbound: dict[int, _Channel] = {}
         self.outbound: dict[int, _Channel] = {}
-        self._open_rings()  # cma too: messages smaller than a chunk go through the rings
+        self._open_rings()  # mapped too: messages smaller than a chunk go through the rings
 
         self._pool: dict[tuple, list[torch.Tensor]] = {}
+        self._files: dict[int, tuple[int, int, mmap.mmap]] = {}  # result address -> (id, fd, mapping)
+        self._file_ids = itertools.count(1)
+        self._peer_files: dict[tuple[int, int], tuple] = {}  # (peer, id) -> (mapping, export, address)
         self._copy_stream = torch.cuda.Stream() if torch.cuda.is_available() else None
         self._ops: collections.deque[_Op] = collections.deque()
-        self._posted: dict[tuple[int, int], tuple[int, int]] = {}  # (sender, number) -> (address, bytes)
+        self._posted: dict[tuple[int, int], tuple[int, int]] = {}  # (sender, number) -> (large, bytes)
+        self._wanted: dict[tuple[int, int], tuple[int, int, int]] = {}  # (receiver, number) -> (file, offset, bytes)
+        self._done: set[tuple[int, int]] = set()  # (sender, number) written into this rank's result
         self._numbers = itertools.count()
         self._failed: str | None = None
         self._closed = False
@@ -206,29 +219,30 @@ class HostStagedTransport:
     # Set-up --------------------------------------------------------------------------------
 
     def _choose_local_path(self, wanted: str, info: list) -> str:
-        """``cma`` if every rank can read every peer on its host (and ``wanted`` allows it)."""
+        """``mapped`` if every rank can map its peers' memory files (and ``wanted`` allows it)."""
         local = [r for r in range(self.world_size) if r != self.rank and self.local[r]]
         problem = None
         if wanted != "shm_ring":
             for r in local:
-                _, pid, addr = info[r]
-                got = np.zeros(1, dtype=np.int64)
+                _, pid, fd = info[r]
                 try:
-                    _vm_read(pid, got.ctypes.data, addr, 8)
+                    mapping = _map_peer_file(pid, fd)
+                    got = struct.unpack("<q", mapping[:8])[0]
+                    mapping.close()
                 except OSError as e:
-                    problem = f"rank {self.rank} cannot read rank {r}'s memory: {e.strerror or e}"
+                    problem = f"rank {self.rank} cannot map rank {r}'s memory: {e.strerror or e}"
                     break
-                if int(got[0]) != pid:
-                    problem = f"rank {self.rank} read the wrong bytes from rank {r} (different pid namespaces?)"
+                if got != pid:
+                    problem = f"rank {self.rank} mapped the wrong memory of rank {r} (different pid namespaces?)"
                     break
         problems = [None] * self.world_size
         dist.all_gather_object(problems, problem, group=self.group)  # every rank decides alike
         first = next((p for p in problems if p), None)
-        if wanted == "cma" and first:
-            raise TransportError(f"host_staged: transport.local_path=cma but cross-memory attach fails: {first}")
+        if wanted == "mapped" and first:
+            raise TransportError(f"host_staged: transport.local_path=mapped but {first}")
         if wanted == "auto" and first:
             return "shm_ring"
-        return "shm_ring" if wanted == "shm_ring" else "cma"
+        return "shm_ring" if wanted == "shm_ring" else "mapped"
 
     def _connect(self) -> dict[int, _Peer]:
         """One Unix stream socket per pair of ranks on this host; the lower rank connects."""
@@ -296,6 +310,10 @@ class HostStagedTransport:
             ch.close()
         for p in self._peers.values():
             p.sock.close()
+        for _, fd, _ in self._files.values():
+            os.close(fd)  # the memory lives on while results or peers still map it
+        self._files.clear()
+        self._peer_files.clear()
         self._wake_r.close()
         self._wake_w.close()
         if self._alarm is not None:
@@ -379,10 +397,29 @@ class HostStagedTransport:
             if _only_pool_holds(buf):
                 break
         else:
-            buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            if len(pool) < 4 and not pinned and self.local_path == "mapped":
+                buf = self._mapped_buffer(size)  # peers write results straight into it
+            else:
+                buf = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
             if len(pool) < 4:
                 pool.append(buf)
         return buf[:nbytes].view(dtype).view(shape)
+
+    def _mapped_buffer(self, size: int) -> torch.Tensor:
+        fd = _memory_file(size)
+        mapping = mmap.mmap(fd, size)
+        buf = torch.frombuffer(mapping, dtype=torch.uint8)
+        self._files[buf.data_ptr()] = (next(self._file_ids), fd, mapping)
+        return buf
+
+    def _peer_address(self, peer: int, file: int, fd: int) -> int:
+        """Where ``peer``'s memory file ``file`` is mapped here (mapped once, then reused)."""
+        hit = self._peer_files.get((peer, file))
+        if hit is None:
+            mapping = _map_peer_file(self.pids[peer], fd)
+            export = ctypes.c_char.from_buffer(mapping)
+            hit = self._peer_files[(peer, file)] = (mapping, export, ctypes.addressof(export))
+        return hit[2]
 
     # The proxy -----------------------------------------------------------------------------
 
@@ -455,35 +492,64 @@ class HostStagedTransport:
         """Move one collective's bytes: own share, peers on this host, peers on other hosts.
 
         Towards a peer on this host, a message smaller than a ring chunk (every message, with
-        ``shm_ring``) is written into the pair's ring and announced with a POST of address 0;
-        the sender is done once it is written (no round trip: small messages are latency-bound).
-        A larger one is announced with its address and read in place by the receiver (``cma``:
-        one copy instead of two); the sender is done at the receiver's ACK.
+        ``shm_ring``) is written into the pair's ring and announced with a POST; the sender is
+        done once it is written. A larger one is announced too, the receiver answers with
+        where in its result it goes (WANT), the sender copies it there and says DONE: one
+        copy instead of two. A receiver whose result is not a memory file (a pinned staging
+        buffer, or a pool that is all in use) answers "use the ring" instead.
         """
         if op.ready is not None:
             op.ready.synchronize()
         me, number = self.rank, op.number
         remote = self._start_remote(op)
-        unacked = set()
+        mapped = self.local_path == "mapped"
+        # As a receiver: say where large messages go, at once (it saves the senders a round trip).
+        file = self._files.get(op.recv) if mapped else None
+        awaiting = set()  # peers that write straight into the result
+        for s, peer in self._peers.items():
+            if mapped and op.out_bytes[s] >= self.chunk:
+                if file is not None:
+                    self._send(peer, _WANT, number, file[0] << 32 | file[1], op.out_offsets[s], op.out_bytes[s])
+                    awaiting.add(s)
+                else:
+                    self._send(peer, _WANT, number, 0, 0, op.out_bytes[s])
+        # As a sender: large messages wait for their receiver's WANT, small ones go now.
+        large = set()
         to_ring = {}  # peer -> bytes written into its ring so far
         for d, peer in self._peers.items():
-            if self.local_path == "cma" and op.in_bytes[d] >= self.chunk:
-                self._send(peer, _POST, number, op.send + op.in_offsets[d], op.in_bytes[d])
-                unacked.add(d)
+            if mapped and op.in_bytes[d] >= self.chunk:
+                self._send(peer, _POST, number, 1, 0, op.in_bytes[d])
+                large.add(d)
             else:
                 to_ring[d] = 0
         unposted = set(to_ring)
         unread = set(self._peers)
-        got = dict.fromkeys(self._peers, 0)  # peer -> bytes read from its ring so far
+        got = dict.fromkeys(self._peers, 0)  # peer -> bytes of its message in the result so far
         own_copied = False
         deadline = time.monotonic() + self.timeout_s
         next_check = time.monotonic() + _CHECK_S
         while True:
             progressed = False
+            for d in sorted(large):
+                want = self._wanted.pop((d, number), None)
+                if want is None:
+                    continue
+                where, offset, nbytes = want
+                if nbytes != op.in_bytes[d]:
+                    raise RuntimeError(f"rank {d} expects {nbytes} bytes but this rank sends {op.in_bytes[d]} "
+                                       f"(splits or sizes differ between ranks)")
+                large.discard(d)
+                if where:
+                    dst = self._peer_address(d, where >> 32, where & 0xFFFFFFFF) + offset
+                    ctypes.memmove(dst, op.send + op.in_offsets[d], nbytes)
+                    self._send(self._peers[d], _DONE, number)
+                else:
+                    to_ring[d] = 0  # announced already
+                progressed = True
             for d in list(to_ring):
                 wrote = self._ring_write(op, d, to_ring)
                 if d in unposted:  # the POST doubles as the first chunks' doorbell
-                    self._send(self._peers[d], _POST, number, 0, op.in_bytes[d])
+                    self._send(self._peers[d], _POST, number, 0, 0, op.in_bytes[d])
                     unposted.discard(d)
                 elif wrote:
                     self._send(self._peers[d], _BELL, number)
@@ -491,7 +557,7 @@ class HostStagedTransport:
                     del to_ring[d]
                 progressed |= wrote
             if not own_copied:
-                # This rank's own share, copied while the peers read.
+                # This rank's own share, copied while the peers work on theirs.
                 if op.in_bytes[me]:
                     ctypes.memmove(op.recv + op.out_offsets[me], op.send + op.in_offsets[me], op.in_bytes[me])
                 own_copied = True
@@ -499,15 +565,15 @@ class HostStagedTransport:
                 post = self._posted.get((s, number))
                 if post is None:
                     continue
-                address, nbytes = post
+                nbytes = post[1]
                 if nbytes != op.out_bytes[s]:
                     raise RuntimeError(f"rank {s} sends {nbytes} bytes but this rank expects {op.out_bytes[s]} "
                                        f"(splits or sizes differ between ranks)")
-                if address:
-                    self._cma_read(op, s, address)
-                    self._send(self._peers[s], _ACK, number)
-                    got[s] = nbytes
-                    progressed = True
+                if s in awaiting:
+                    if (s, number) in self._done:
+                        self._done.discard((s, number))
+                        got[s] = nbytes
+                        progressed = True
                 elif self._ring_read(op, s, got):
                     if got[s] < nbytes:  # more to come: the sender may be waiting for room
                         self._send(self._peers[s], _BELL, number)
@@ -516,7 +582,7 @@ class HostStagedTransport:
                     unread.discard(s)
                     del self._posted[(s, number)]
             remote = [w for w in remote if not w.is_completed()]
-            waiting = unread | unacked | set(to_ring)
+            waiting = unread | large | set(to_ring)
             if not waiting and not remote:
                 return
             now = time.monotonic()
@@ -531,8 +597,7 @@ class HostStagedTransport:
             if not progressed:
                 # Nothing to do until a peer says something. Gloo work is polled every half ms;
                 # a full ring every millisecond (its reader rings only while a message is incomplete).
-                wait = 0.0005 if remote else 0.001 if to_ring else min(_CHECK_S, max(0.0, deadline - now))
-                unacked -= self._wait(wait, number)
+                self._wait(0.0005 if remote else 0.001 if to_ring else min(_CHECK_S, max(0.0, deadline - now)))
 
     def _check_peers(self, ranks: list[int], number: int, pids: bool) -> None:
         """Fail if a peer this collective waits for has failed it, closed its end or exited."""
@@ -547,14 +612,6 @@ class HostStagedTransport:
                 raise RuntimeError(f"peer rank {r} (pid {self.pids[r]}) closed its transport")
             if pids and not _alive(self.pids[r]):
                 raise RuntimeError(f"peer rank {r} (pid {self.pids[r]}) died")
-
-    def _cma_read(self, op: _Op, src: int, address: int) -> None:
-        try:
-            _vm_read(self.pids[src], op.recv + op.out_offsets[src], address, op.out_bytes[src])
-        except OSError as e:
-            if not _alive(self.pids[src]):
-                raise RuntimeError(f"peer rank {src} (pid {self.pids[src]}) died") from e
-            raise RuntimeError(f"reading rank {src}'s buffer failed: {e}") from e
 
     def _ring_write(self, op: _Op, dst: int, sent: dict) -> bool:
         """Write what fits of this rank's message to ``dst`` into their ring."""
@@ -576,9 +633,9 @@ class HostStagedTransport:
             read = True
         return read
 
-    def _send(self, peer: _Peer, kind: int, number: int, address: int = 0, nbytes: int = 0,
+    def _send(self, peer: _Peer, kind: int, number: int, a: int = 0, b: int = 0, c: int = 0,
               timeout_s: float | None = None) -> None:
-        data = memoryview(_MSG.pack(kind, self.rank, number, address, nbytes))
+        data = memoryview(_MSG.pack(kind, self.rank, number, a, b, c))
         deadline = time.monotonic() + (self.timeout_s if timeout_s is None else timeout_s)
         while data:
             try:
@@ -593,16 +650,15 @@ class HostStagedTransport:
                 until = time.monotonic() + 0.5
                 while peer.gone is None and time.monotonic() < until:
                     select.select([peer.sock], [], [], 0.05)
-                    self._take(peer, number)
+                    self._take(peer)
                 self._check_peers([peer.rank], number, pids=True)
                 raise RuntimeError(f"peer rank {peer.rank} (pid {self.pids[peer.rank]}) is gone ({e.strerror})") from e
 
-    def _wait(self, timeout: float, current: int) -> set[int]:
+    def _wait(self, timeout: float) -> None:
         """Sleep until a peer's message (or ``timeout``) and file the messages.
 
         Polls for ``spin_us`` first: waking a sleeping thread costs tens of microseconds or
-        more, the order of a whole small collective. Returns the ranks that acknowledged
-        collective ``current``.
+        more, the order of a whole small collective.
         """
         socks = [p.sock for p in self._peers.values() if not p.gone]
         readable, _, _ = select.select(socks, [], [], 0)
@@ -613,37 +669,34 @@ class HostStagedTransport:
                 readable, _, _ = select.select(socks, [], [], 0)
         if not readable:
             readable, _, _ = select.select(socks, [], [], timeout)
-        acks = set()
         for sock in readable:
-            acks |= self._take(next(p for p in self._peers.values() if p.sock is sock), current)
-        return acks
+            self._take(next(p for p in self._peers.values() if p.sock is sock))
 
-    def _take(self, peer: _Peer, current: int) -> set[int]:
-        """File what ``peer`` has sent (POSTs kept by collective, failures noted); its ACKs of
-        collective ``current`` are returned."""
+    def _take(self, peer: _Peer) -> None:
+        """File what ``peer`` has sent: announcements and answers by collective, failures."""
         try:
             data = peer.sock.recv(1 << 16)
         except BlockingIOError:
-            return set()
+            return
         except OSError as e:
             data, error = b"", e.strerror
         else:
             error = "its connection closed"
         if not data:
             peer.gone = peer.gone or error  # fails the collectives that wait for it
-            return set()
+            return
         peer.inbox += data
         whole = len(peer.inbox) - len(peer.inbox) % _MSG.size
-        acks = set()
-        for kind, sender, number, address, nbytes in _MSG.iter_unpack(bytes(peer.inbox[:whole])):
+        for kind, sender, number, a, b, c in _MSG.iter_unpack(bytes(peer.inbox[:whole])):
             if kind == _POST:
-                self._posted[(sender, number)] = (address, nbytes)
-            elif kind == _ACK and number == current:
-                acks.add(sender)
+                self._posted[(sender, number)] = (a, c)
+            elif kind == _WANT:
+                self._wanted[(sender, number)] = (a, b, c)
+            elif kind == _DONE:
+                self._done.add((sender, number))
             elif kind == _FAIL and peer.failed is None:
                 peer.failed = number
         del peer.inbox[:whole]
-        return acks
 
     def _start_remote(self, op: _Op) -> list:
         """Gloo point-to-point for peers on other hosts."""
@@ -735,37 +788,20 @@ class _Alarm:
 _timerfd_settime = getattr(_libc, "timerfd_settime", None)
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+def _memory_file(size: int) -> int:
+    """An anonymous memory file of ``size`` bytes (no name anywhere: gone with its last user)."""
+    fd = os.memfd_create("freescale-host-staged", os.MFD_CLOEXEC)
+    os.ftruncate(fd, size)
+    return fd
 
 
-_process_vm_readv = getattr(_libc, "process_vm_readv", None)
-if _process_vm_readv is not None:
-    _process_vm_readv.restype = ctypes.c_ssize_t
-    _process_vm_readv.argtypes = [ctypes.c_int, ctypes.POINTER(_Iovec), ctypes.c_ulong,
-                                  ctypes.POINTER(_Iovec), ctypes.c_ulong, ctypes.c_ulong]
-
-
-def _vm_read(pid: int, dst: int, src: int, nbytes: int) -> None:
-    """Copy ``nbytes`` from address ``src`` of process ``pid`` to ``dst`` here (GIL released)."""
-    if _process_vm_readv is None:
-        raise OSError(0, "process_vm_readv is not available on this system")
-    done = 0
-    while done < nbytes:
-        local, remote = _Iovec(dst + done, nbytes - done), _Iovec(src + done, nbytes - done)
-        n = _process_vm_readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-        if n <= 0:
-            err = ctypes.get_errno() if n < 0 else 0
-            raise OSError(err, os.strerror(err) if err else "process_vm_readv copied nothing")
-        done += n
-
-
-def _allow_peers_to_read_memory() -> None:
-    """Where Yama restricts ptrace to descendants, let the peers (siblings) attach for reading."""
+def _map_peer_file(pid: int, fd: int) -> mmap.mmap:
+    """Map another process's memory file (its descriptor ``fd``) here, shared and writable."""
+    f = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)
     try:
-        _libc.prctl(0x59616D61, ctypes.c_ulong(-1 & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)  # PR_SET_PTRACER, ANY
-    except Exception:
-        pass
+        return mmap.mmap(f, os.fstat(f).st_size)
+    finally:
+        os.close(f)
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()

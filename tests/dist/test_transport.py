@@ -13,7 +13,7 @@ from freescale.config import TransportConfig
 from freescale.transport.base import TransportError, build_transport
 from helpers.spawn import run_ranks
 
-PATHS = ["cma", "shm_ring"]
+PATHS = ["mapped", "shm_ring"]
 
 
 def _staged(local_path, **kw):
@@ -53,10 +53,23 @@ def _compare(rank, world, local_path):
         assert torch.equal(staged.all_gather(mine, sizes).wait(), reference.all_gather(mine, sizes).wait())
         equal = torch.full((4, 2), rank, dtype=torch.int32)
         assert torch.equal(staged.all_gather(equal).wait(), reference.all_gather(equal).wait())
+    # Results above 64 KiB: with `mapped`, peers write messages of a chunk or more straight in.
+    big = torch.randint(0, 255, (world * 100_000,), dtype=torch.uint8, generator=torch.Generator().manual_seed(rank))
+    even = [100_000] * world
+    assert torch.equal(staged.all_to_all_single(big, even, even).wait(), reference.all_to_all_single(big, even, even).wait())
+    if local_path == "mapped":
+        assert {peer for peer, _ in staged._peer_files} == set(range(world)) - {rank}
     # Several collectives in flight at once complete in order, whichever is waited for first.
     handles = [staged.all_gather(torch.tensor([rank * 10 + i])) for i in range(5)]
     for i in (4, 0, 2, 1, 3):
         assert handles[i].wait().tolist() == [r * 10 + i for r in range(world)]
+    # A collective nobody waits for yet is moved by the proxy meanwhile (overlap with compute).
+    pending = staged.all_to_all_single(big, even, even)
+    deadline = time.monotonic() + 10
+    while not pending.done.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pending.done.is_set()
+    assert torch.equal(pending.wait(), reference.all_to_all_single(big, even, even).wait())
     # Collectives issued and waited for from another thread while this one goes on.
     x = torch.arange(64, dtype=torch.int64) + 100 * rank
     sends = [64 // world] * world
@@ -121,22 +134,20 @@ def test_peer_that_never_arrives_fails_at_the_timeout(local_path):
 
 
 def _mismatch(rank, world, width):
-    staged = _staged("cma", timeout_s=30)
+    staged = _staged("mapped", timeout_s=30)
     # Rank 0 sends rank 1 two rows; rank 1 expects one. Rows of `width` floats: 1 goes through
-    # the rings, 1024 (8 KiB > the 4 KiB chunk) is read in place.
+    # the rings, 1024 (8 KiB, more than the 4 KiB chunk) takes the large messages' protocol.
     sends = [[1, 2], [2, 2]][rank]
     receives = [[1, 2], [1, 2]][rank]
     t0 = time.monotonic()
-    if rank == 1:
-        with pytest.raises(TransportError, match=f"rank 0 sends {8 * width} bytes but this rank expects {4 * width} "
-                                                 r"\(splits or sizes differ between ranks\)"):
-            staged.all_to_all_single(torch.zeros(sum(sends), width), sends, receives).wait()
-    else:
-        # Rank 0's own view is consistent: it fails as soon as it waits on rank 1 (at once when
-        # its message is read in place, at its next collective when it went through the ring).
-        with pytest.raises(TransportError, match="rank 1 failed (this|an earlier) collective"):
-            staged.all_to_all_single(torch.zeros(sum(sends), width), sends, receives).wait()
-            staged.all_gather(torch.zeros(1)).wait()
+    # Whichever rank sees the sizes first names them; the other learns that its peer failed
+    # (in this collective, or at its next one when its own view was consistent and done).
+    named = [f"rank 1 expects {4 * width} bytes but this rank sends {8 * width}",
+             f"rank 0 sends {8 * width} bytes but this rank expects {4 * width}"][rank]
+    with pytest.raises(TransportError, match=rf"{named} \(splits or sizes differ between ranks\)"
+                                             rf"|rank {1 - rank} failed (this|an earlier) collective"):
+        staged.all_to_all_single(torch.zeros(sum(sends), width), sends, receives).wait()
+        staged.all_gather(torch.zeros(1)).wait()
     assert time.monotonic() - t0 < 10.0  # told by its peer, not left to the timeout
     staged.close()
 
