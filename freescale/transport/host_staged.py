@@ -615,23 +615,13 @@ class HostStagedTransport:
 
     def _ring_write(self, op: _Op, dst: int, sent: dict) -> bool:
         """Write what fits of this rank's message to ``dst`` into their ring."""
-        ch, wrote = self.outbound[dst], False
-        while sent[dst] < op.in_bytes[dst] and ch.can_write():
-            n = min(self.chunk, op.in_bytes[dst] - sent[dst])
-            ch.write(op.send + op.in_offsets[dst] + sent[dst], n)
-            sent[dst] += n
-            wrote = True
-        return wrote
+        ch = self.outbound[dst]
+        return _pump(ch.can_write, ch.write, op.send + op.in_offsets[dst], op.in_bytes[dst], sent, dst, self.chunk)
 
     def _ring_read(self, op: _Op, src: int, got: dict) -> bool:
         """Read what has arrived of ``src``'s message from their ring."""
-        ch, read = self.inbound[src], False
-        while got[src] < op.out_bytes[src] and ch.can_read():
-            n = min(self.chunk, op.out_bytes[src] - got[src])
-            ch.read(op.recv + op.out_offsets[src] + got[src], n)
-            got[src] += n
-            read = True
-        return read
+        ch = self.inbound[src]
+        return _pump(ch.can_read, ch.read, op.recv + op.out_offsets[src], op.out_bytes[src], got, src, self.chunk)
 
     def _send(self, peer: _Peer, kind: int, number: int, a: int = 0, b: int = 0, c: int = 0,
               timeout_s: float | None = None) -> None:
@@ -713,6 +703,18 @@ class HostStagedTransport:
                 chunk = torch.from_numpy(_view(op.recv + start, op.out_bytes[peer]))
                 works.append(dist.irecv(chunk, self._global[peer], group=self.group))
         return works
+
+
+def _pump(ready, move, address: int, total: int, done: dict, key: int, chunk: int) -> bool:
+    """Move chunks of the ``total`` bytes at ``address`` (``done[key]`` moved so far) while the
+    ring is ``ready()``; whether any moved."""
+    moved = False
+    while done[key] < total and ready():
+        n = min(chunk, total - done[key])
+        move(address + done[key], n)
+        done[key] += n
+        moved = True
+    return moved
 
 
 def _view(address: int, nbytes: int) -> np.ndarray:
