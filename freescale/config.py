@@ -212,7 +212,7 @@ class TransportConfig:
     chunk_kib: Annotated[int, Positive] = 1024
     """host_staged: chunk size of the shared-memory rings; with mapped, messages smaller than a chunk go through the rings (no round trip) and larger ones straight into the result."""
     slots: Annotated[int, Positive] = 4
-    """host_staged, shm_ring: chunks in flight per ring (per ordered pair of ranks on one host)."""
+    """host_staged: chunks in flight per ring (per ordered pair of ranks on one host)."""
     spin_us: Annotated[float, Range(min=0.0)] = 1000.0
     """host_staged: how long a waiting proxy polls for its peers before it sleeps (0 = sleep at once)."""
     timeout_s: Annotated[float, Range(min=0.1)] = 60.0
