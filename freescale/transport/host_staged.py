@@ -177,17 +177,19 @@ class HostStagedTransport:
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
 
         probe = _memory_file(8)  # what peers map to test that they can: holds this rank's pid
-        os.pwrite(probe, struct.pack("<q", os.getpid()), 0)
-        info = [None] * self.world_size
-        dist.all_gather_object(info, (os.uname().nodename, os.getpid(), probe), group=self.group)
-        host = info[self.rank][0]
-        self.pids = [pid for _, pid, _ in info]
-        self.local = [h == host for h, _, _ in info]
-        token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
-        dist.broadcast_object_list(token, src=self._global[0], group=self.group)
-        self.prefix = f"freescale-{token[0]}"
-        self.local_path = self._choose_local_path(cfg.local_path, info)
-        os.close(probe)
+        try:
+            os.pwrite(probe, struct.pack("<q", os.getpid()), 0)
+            info = [None] * self.world_size
+            dist.all_gather_object(info, (os.uname().nodename, os.getpid(), probe), group=self.group)
+            host = info[self.rank][0]
+            self.pids = [pid for _, pid, _ in info]
+            self.local = [h == host for h, _, _ in info]
+            token = [uuid.uuid4().hex[:12] if self.rank == 0 else None]
+            dist.broadcast_object_list(token, src=self._global[0], group=self.group)
+            self.prefix = f"freescale-{token[0]}"
+            self.local_path = self._choose_local_path(cfg.local_path, info)
+        finally:
+            os.close(probe)
 
         self._peers = self._connect()
         self.inbound: dict[int, _Channel] = {}

@@ -133,6 +133,36 @@ def test_peer_that_never_arrives_fails_at_the_timeout(local_path):
     run_ranks(2, _absent, local_path)
 
 
+def _fallbacks(rank, world):
+    import freescale.transport.host_staged as hs
+
+    if rank == 1:  # this rank may not map its peer's memory files (another user, say)
+        def refuse(pid, fd):
+            raise PermissionError(13, "Permission denied")
+        hs._map_peer_file = refuse
+    auto = _staged("auto")
+    assert auto.local_path == "shm_ring"  # every rank takes the fallback, not only rank 1
+    with pytest.raises(TransportError, match="local_path=mapped but rank 1 cannot map rank 0's memory: "
+                                             "Permission denied"):
+        _staged("mapped")
+    # Without timerfd the proxy is woken at once for every collective; the results are the same.
+    hs._Alarm.create = classmethod(lambda cls: None)
+    woken = _staged("auto")
+    x = torch.arange(6, dtype=torch.float64) + 10 * rank
+    assert woken.all_gather(x).wait().tolist() == auto.all_gather(x).wait().tolist()
+    pending = woken.all_gather(x)
+    deadline = time.monotonic() + 10
+    while not pending.done.is_set() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pending.wait().tolist() == [float(i + 10 * r) for r in range(world) for i in range(6)]
+    auto.close()
+    woken.close()
+
+
+def test_fallback_to_rings_when_peers_cannot_map_each_other():
+    run_ranks(2, _fallbacks)
+
+
 def _mismatch(rank, world, width):
     staged = _staged("mapped", timeout_s=30)
     # Rank 0 sends rank 1 two rows; rank 1 expects one. Rows of `width` floats: 1 goes through
