@@ -32,7 +32,8 @@ how a dead peer shows. The bytes move one of two ways (``transport.local_path``)
   and takes ``mapped`` if so, ``shm_ring`` otherwise (every rank takes the same).
 
 Ranks on different hosts exchange their splits with gloo point-to-point messages on the
-transport's own process group, driven by the same progress loop.
+transport's own process group: posted when the collective starts, they progress in gloo's
+threads while the proxy moves the local part, and are waited for after it.
 
 Each proxy progresses all its peers at once (no order of peers can deadlock), polls briefly
 (``spin_us``) and then sleeps in ``select`` on its sockets. Every sender announces the size of
@@ -48,6 +49,7 @@ from __future__ import annotations
 import atexit
 import collections
 import ctypes
+import datetime
 import itertools
 import math
 import mmap
@@ -583,9 +585,9 @@ class HostStagedTransport:
                 if got[s] == nbytes:
                     unread.discard(s)
                     del self._posted[(s, number)]
-            remote = [w for w in remote if not w.is_completed()]
             waiting = unread | large | set(to_ring)
-            if not waiting and not remote:
+            if not waiting:
+                self._finish_remote(remote)
                 return
             now = time.monotonic()
             if progressed:
@@ -597,9 +599,9 @@ class HostStagedTransport:
             if now >= next_check:
                 next_check = now + _CHECK_S
             if not progressed:
-                # Nothing to do until a peer says something. Gloo work is polled every half ms;
-                # a full ring every millisecond (its reader rings only while a message is incomplete).
-                self._wait(0.0005 if remote else 0.001 if to_ring else min(_CHECK_S, max(0.0, deadline - now)))
+                # Nothing to do until a peer says something (a full ring is looked at every
+                # millisecond: its reader rings only while a message is incomplete).
+                self._wait(0.001 if to_ring else min(_CHECK_S, max(0.0, deadline - now)))
 
     def _check_peers(self, ranks: list[int], number: int, pids: bool) -> None:
         """Fail if a peer this collective waits for has failed it, closed its end or exited."""
@@ -689,6 +691,16 @@ class HostStagedTransport:
             elif kind == _FAIL and peer.failed is None:
                 peer.failed = number
         del peer.inbox[:whole]
+
+    def _finish_remote(self, works: list) -> None:
+        """Wait for the point-to-point transfers with other hosts (posted at the start, they
+        progress in gloo's own threads meanwhile; gloo tells completion only through wait)."""
+        for w in works:
+            try:
+                w.wait(datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise RuntimeError(f"a transfer with another host failed: {first}") from e
 
     def _start_remote(self, op: _Op) -> list:
         """Gloo point-to-point for peers on other hosts."""

@@ -133,6 +133,30 @@ def test_peer_that_never_arrives_fails_at_the_timeout(local_path):
     run_ranks(2, _absent, local_path)
 
 
+def _two_hosts(rank, world):
+    import types
+
+    if rank == 2:  # this rank says it runs on another host: its peers reach it over gloo
+        os.uname = lambda: types.SimpleNamespace(nodename="elsewhere")
+    staged = _staged("auto", timeout_s=20)
+    assert staged.local == [rank != 2, rank != 2, rank == 2]
+    reference = build_transport(TransportConfig(kind="torch_dist"))
+    gen = torch.Generator().manual_seed(99)
+    for trial in range(4):
+        m = _random_splits(world, gen) * (1 if trial < 2 else 500)  # up to 4000 rows: large messages too
+        data = torch.randn(int(m[rank].sum()), 3, generator=torch.Generator().manual_seed(rank + trial))
+        got = staged.all_to_all_single(data, m[rank].tolist(), m[:, rank].tolist()).wait()
+        assert torch.equal(got, reference.all_to_all_single(data, m[rank].tolist(), m[:, rank].tolist()).wait())
+        sizes = torch.randint(0, 40, (world,), generator=gen).tolist()
+        mine = torch.full((sizes[rank], 2), float(rank))
+        assert torch.equal(staged.all_gather(mine, sizes).wait(), reference.all_gather(mine, sizes).wait())
+    staged.close()
+
+
+def test_peers_on_another_host_go_through_gloo():
+    run_ranks(3, _two_hosts)
+
+
 def _fallbacks(rank, world):
     import freescale.transport.host_staged as hs
 
