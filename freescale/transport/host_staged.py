@@ -122,6 +122,8 @@ class _Channel:
 
 
 class _Handle:
+    """What a collective returns: ``wait()`` runs or awaits it, then gives the result or raises."""
+
     def __init__(self, op: str, finish, drive) -> None:
         self.op = op
         self.finish = finish
@@ -138,7 +140,7 @@ class _Handle:
 
 @dataclass
 class _Op:
-    """One collective as the proxy sees it: byte views and per-peer offsets and lengths."""
+    """One collective as the proxy sees it: addresses, per-peer offsets and lengths in bytes."""
 
     number: int
     handle: _Handle
