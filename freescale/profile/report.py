@@ -162,12 +162,7 @@ def _plot_straggler_hist(data: dict):
     bins = np.linspace(0, max(top, 1.0), 30)
     for r, v in values.items():
         ax.hist(v, bins=bins, alpha=0.6, label=f"rank {r}")
-    ax.set_xlabel("straggler bubble per step (ms)")
-    ax.set_ylabel("steps")
-    ax.set_title("Distribution of per-step straggler bubbles")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _labelled(fig, ax, "straggler bubble per step (ms)", "steps", "Distribution of per-step straggler bubbles")
 
 
 def _plot_compute_vs_workload(data: dict):
@@ -185,9 +180,15 @@ def _plot_compute_vs_workload(data: dict):
             ax.plot(xs, slope * xs + intercept, "--", color=color, linewidth=1)
             label += f" ({slope * 1000:.1f} ms per 1k tokens)"
         ax.scatter(x, y, s=10, alpha=0.7, color=color, label=label)
-    ax.set_xlabel("workload: UIH tokens in the rank's batch")
-    ax.set_ylabel("own compute per step (ms)")
-    ax.set_title("Per-rank compute against per-rank workload")
+    return _labelled(fig, ax, "workload: UIH tokens in the rank's batch", "own compute per step (ms)",
+                     "Per-rank compute against per-rank workload")
+
+
+def _labelled(fig, ax, xlabel: str, ylabel: str, title: str):
+    """Axis labels, title and legend, laid out: the finish of the per-rank plots."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

@@ -216,7 +216,7 @@ class HostStagedTransport:
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
-        self._alarm = _Alarm.create()  # None where timerfd is missing: the proxy is woken at once
+        self._alarm = _Alarm.create(_GRACE_S)  # None where timerfd is missing: the proxy is woken at once
         self._queue_lock = threading.Lock()  # the queue and the alarm change together
         self._proxy = threading.Thread(target=self._serve, name=f"host-staged-proxy-{self.rank}", daemon=True)
         self._proxy.start()
@@ -246,9 +246,7 @@ class HostStagedTransport:
         first = next((p for p in problems if p), None)
         if wanted == "mapped" and first:
             raise TransportError(f"host_staged: transport.local_path=mapped but {first}")
-        if wanted == "auto" and first:
-            return "shm_ring"
-        return "shm_ring" if wanted == "shm_ring" else "mapped"
+        return "shm_ring" if wanted == "shm_ring" or first else "mapped"
 
     def _connect(self) -> dict[int, _Peer]:
         """One Unix stream socket per pair of ranks on this host; the lower rank connects."""
@@ -376,7 +374,7 @@ class HostStagedTransport:
         with self._queue_lock:
             self._ops.append(item)
             if self._alarm is not None:
-                self._alarm.arm(_GRACE_S)
+                self._alarm.arm()
         if self._alarm is None:
             self._wake()
         return item.handle
@@ -763,25 +761,26 @@ class _Alarm:
     of collectives arms it once, not once each).
     """
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, seconds: float) -> None:
         self.fd = fd
         self.armed = False
-        self._specs: dict[float, object] = {}  # seconds -> a ready itimerspec (calls stay cheap)
+        value = _Timespec(int(seconds), int((seconds % 1) * 1e9))
+        self._spec = ctypes.byref(_Itimerspec(_Timespec(0, 0), value))  # built once: arming stays cheap
 
     @classmethod
-    def create(cls) -> "_Alarm | None":
+    def create(cls, seconds: float) -> "_Alarm | None":
         create = getattr(_libc, "timerfd_create", None)
         if create is None:
             return None
         fd = create(1, os.O_NONBLOCK | os.O_CLOEXEC)  # CLOCK_MONOTONIC; TFD_* equal the O_* flags
-        return cls(fd) if fd >= 0 else None
+        return cls(fd, seconds) if fd >= 0 else None
 
     def fileno(self) -> int:
         return self.fd
 
-    def arm(self, seconds: float) -> None:
+    def arm(self) -> None:
         if not self.armed:
-            self._set(seconds)
+            _timerfd_settime(self.fd, 0, self._spec, None)
             self.armed = True
 
     def take(self) -> None:
@@ -791,13 +790,6 @@ class _Alarm:
         except BlockingIOError:
             pass
         self.armed = False
-
-    def _set(self, seconds: float) -> None:
-        spec = self._specs.get(seconds)
-        if spec is None:
-            value = _Timespec(int(seconds), int((seconds % 1) * 1e9))
-            spec = self._specs[seconds] = ctypes.byref(_Itimerspec(_Timespec(0, 0), value))
-        _timerfd_settime(self.fd, 0, spec, None)
 
     def close(self) -> None:
         os.close(self.fd)
