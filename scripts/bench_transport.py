@@ -38,7 +38,7 @@ sys.path.insert(0, REPO)
 
 from freescale.config import TransportConfig  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
-from freescale.transport.base import build_transport  # noqa: E402
+from freescale.transport.registry import build_transport  # noqa: E402
 
 
 

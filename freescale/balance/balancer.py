@@ -200,7 +200,7 @@ def build_balancer(cfg, transport_cfg, *, user_hash_size: int):
     import torch.distributed as dist
 
     from freescale.balance.cost import load_cost_model
-    from freescale.transport.base import build_transport
+    from freescale.transport.registry import build_transport
 
     group = dist.new_group(backend="gloo")
     return Balancer(cfg.partition, load_cost_model(cfg.cost_model), build_transport(transport_cfg, group),

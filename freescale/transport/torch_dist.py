@@ -1,47 +1,119 @@
-"""The reference transport: ``torch.distributed`` collectives (gloo on CPU, NCCL on CUDA)."""
+"""The reference transport: ``torch.distributed`` collectives (gloo on CPU, NCCL on CUDA).
+
+A waiter waits for the work in slices of ``_SLICE`` and looks at the failure latch between
+them, so that ``abort()`` releases every waiter within a slice: gloo's own ``abort()`` does
+not end a pending collective (it ends when the peer's connection does), and a work's
+future, the other way to wait without blocking, is not used since holding one makes gloo
+processes abort at exit now and then. The process group is the caller's and is left as it
+is; an aborted collective may still complete in gloo's threads, unseen.
+"""
 
 from __future__ import annotations
+
+import datetime
+import threading
+import weakref
 
 import torch
 import torch.distributed as dist
 
-from freescale.transport.base import TransportError, register
+from freescale.transport.base import TransportError, check_all_gather, check_all_to_all
+
+_SLICE = datetime.timedelta(milliseconds=10)  # how long a waiter waits before it looks at the latch again
 
 
 class _WorkHandle:
-    def __init__(self, op: str, work, finish) -> None:
+    def __init__(self, transport: "TorchDistTransport", op: str, work, finish) -> None:
+        self.transport = transport
         self.op = op
         self.work = work
         self.finish = finish
+        self.error: BaseException | None = None
+        self._settle = threading.Lock()
+
+    def fail(self, error: BaseException) -> None:
+        with self._settle:
+            self.error = self.error or error
 
     def wait(self) -> torch.Tensor:
-        try:
-            self.work.wait()
-        except RuntimeError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise TransportError(f"torch_dist {self.op} failed: {first}") from e
+        while self.error is None:
+            try:
+                self.work.wait(_SLICE)
+                break
+            except RuntimeError:
+                if not self.work.is_completed():
+                    continue  # the slice ran out: look at the latch, wait on
+            try:  # completed, maybe just after the slice ran out: a second wait tells how
+                self.work.wait(_SLICE)
+                break
+            except RuntimeError as e:
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.fail(TransportError(f"torch_dist {self.op} failed: {first}"))
+                self.error.__cause__ = e
+                self.transport._latch(f"{self.op} failed: {first}")
+        self.transport._forget(self)
+        if self.error is not None:
+            raise self.error
         return self.finish()
 
 
-@register("torch_dist")
 class TorchDistTransport:
+    name = "torch_dist"
+
     def __init__(self, group: dist.ProcessGroup | None = None, cfg=None) -> None:
         self.group = group or dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
+        self._lock = threading.Lock()
+        self._pending: weakref.WeakSet[_WorkHandle] = weakref.WeakSet()  # issued, not yet waited for
+        self._cause: str | None = None  # why the transport failed, once it has
 
-    def all_to_all_single(self, tensor: torch.Tensor, input_splits: list[int], output_splits: list[int]):
-        out = tensor.new_empty((sum(output_splits), *tensor.shape[1:]))
-        work = dist.all_to_all_single(out, tensor.contiguous(), output_split_sizes=list(output_splits),
-                                      input_split_sizes=list(input_splits), group=self.group, async_op=True)
-        return _WorkHandle("all_to_all_single", work, lambda: out)
+    def all_to_all_single(self, tensor: torch.Tensor, input_splits, output_splits):
+        tensor, ins, outs = check_all_to_all(self.name, self.rank, self.world_size, tensor, input_splits, output_splits)
+        self._refuse_if_failed("all_to_all_single")
+        out = tensor.new_empty((sum(outs), *tensor.shape[1:]))
+        work = dist.all_to_all_single(out, tensor, output_split_sizes=outs, input_split_sizes=ins,
+                                      group=self.group, async_op=True)
+        return self._track(_WorkHandle(self, "all_to_all_single", work, lambda: out))
 
-    def all_gather(self, tensor: torch.Tensor, sizes: list[int] | None = None):
-        if sizes is None:
-            sizes = [tensor.shape[0]] * self.world_size
+    def all_gather(self, tensor: torch.Tensor, sizes=None):
+        tensor, sizes = check_all_gather(self.name, self.rank, self.world_size, tensor, sizes)
+        self._refuse_if_failed("all_gather")
         width = max(sizes) if sizes else 0
         padded = tensor.new_zeros((width, *tensor.shape[1:]))
         padded[: tensor.shape[0]] = tensor
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         work = dist.all_gather(parts, padded, group=self.group, async_op=True)
-        return _WorkHandle("all_gather", work, lambda: torch.cat([p[:n] for p, n in zip(parts, sizes)]))
+        return self._track(_WorkHandle(self, "all_gather", work, lambda: torch.cat([p[:n] for p, n in zip(parts, sizes)])))
+
+    def errored(self) -> Exception | None:
+        return None if self._cause is None else TransportError(f"torch_dist: {self._cause}")
+
+    def abort(self, cause: str = "aborted") -> None:
+        self._latch(cause)
+        with self._lock:
+            pending = list(self._pending)
+        for handle in pending:
+            handle.fail(TransportError(f"torch_dist {handle.op}: {cause}"))
+
+    def close(self) -> None:
+        self.abort("the transport was closed")
+
+    # Failure latch -----------------------------------------------------------------------
+
+    def _refuse_if_failed(self, op: str) -> None:
+        if self._cause is not None:
+            raise TransportError(f"torch_dist {op}: refused: {self._cause}")
+
+    def _latch(self, cause: str) -> None:
+        with self._lock:
+            self._cause = self._cause or cause
+
+    def _track(self, handle: _WorkHandle) -> _WorkHandle:
+        with self._lock:
+            self._pending.add(handle)
+        return handle
+
+    def _forget(self, handle: _WorkHandle) -> None:
+        with self._lock:
+            self._pending.discard(handle)

@@ -1,4 +1,5 @@
-"""host_staged against the torch.distributed collective, on 2-4 gloo ranks in real processes."""
+"""host_staged against the torch.distributed collective, on 2-4 gloo ranks in real processes;
+what both transports do with bad input and failures."""
 
 import glob
 import os
@@ -10,8 +11,11 @@ import torch
 import torch.distributed as dist
 
 from freescale.config import TransportConfig
-from freescale.transport.base import TransportError, build_transport
+from freescale.transport.base import TransportError
+from freescale.transport.registry import build_transport
 from helpers.spawn import run_ranks
+
+pytestmark = pytest.mark.slow
 
 PATHS = ["mapped", "shm_ring"]
 
@@ -58,7 +62,7 @@ def _compare(rank, world, local_path):
     even = [100_000] * world
     assert torch.equal(staged.all_to_all_single(big, even, even).wait(), reference.all_to_all_single(big, even, even).wait())
     if local_path == "mapped":
-        assert {peer for peer, _ in staged._peer_files} == set(range(world)) - {rank}
+        assert staged.peer_files.peers() == set(range(world)) - {rank}
     # Several collectives in flight at once complete in order, whichever is waited for first.
     handles = [staged.all_gather(torch.tensor([rank * 10 + i])) for i in range(5)]
     for i in (4, 0, 2, 1, 3):
@@ -109,7 +113,7 @@ def test_dead_peer_fails_within_timeout_and_leaves_no_segments(tmp_path, local_p
     with pytest.raises(AssertionError):  # rank 1's exit is reported by the harness
         run_ranks(2, _victim, str(marker), local_path)
     elapsed, prefix = marker.read_text().split()
-    assert float(elapsed) < 30.0
+    assert float(elapsed) < 30.0 / 5  # the connection's end tells, not the 30 s timeout
     assert not glob.glob(f"/dev/shm/{prefix}*")
 
 
@@ -158,19 +162,19 @@ def test_peers_on_another_host_go_through_gloo():
 
 
 def _fallbacks(rank, world):
-    import freescale.transport.host_staged as hs
+    from freescale.transport.host_staged import memory, scheduler
 
     if rank == 1:  # this rank may not map its peer's memory files (another user, say)
         def refuse(pid, fd):
             raise PermissionError(13, "Permission denied")
-        hs._map_peer_file = refuse
+        memory.map_peer_file = refuse
     auto = _staged("auto")
     assert auto.local_path == "shm_ring"  # every rank takes the fallback, not only rank 1
     with pytest.raises(TransportError, match="local_path=mapped but rank 1 cannot map rank 0's memory: "
                                              "Permission denied"):
         _staged("mapped")
     # Without timerfd the proxy is woken at once for every collective; the results are the same.
-    hs._Alarm.create = classmethod(lambda cls, seconds: None)
+    scheduler.Alarm.create = classmethod(lambda cls, seconds: None)
     woken = _staged("auto")
     x = torch.arange(6, dtype=torch.float64) + 10 * rank
     assert woken.all_gather(x).wait().tolist() == auto.all_gather(x).wait().tolist()
@@ -211,7 +215,6 @@ def test_mismatched_splits_fail_on_both_ranks(width):
     run_ranks(2, _mismatch, width)
 
 
-@pytest.mark.slow
 def test_training_through_host_staged_matches_torch_dist(tmp_path):
     """The balancer's sample exchange through either transport trains to the same losses."""
     from helpers.launch import FAST, QUICKSTART, check, torchrun, train_losses

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import socket
 import traceback
@@ -18,6 +19,7 @@ def _free_port() -> int:
 
 def _entry(rank, world, port, fn, args, errors):
     try:
+        faulthandler.enable(all_threads=True)  # a rank that crashes shows where
         os.environ["OMP_NUM_THREADS"] = "1"
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
         fn(rank, world, *args)

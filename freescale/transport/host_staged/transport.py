@@ -1,0 +1,290 @@
+"""``HostStagedTransport``: set-up, the interface, and one collective from start to end.
+
+Set-up, on every rank of the group alike: exchange host names and pids; choose the way
+between ranks on one host (``transport.local_path``: ``mapped`` if every rank may map its
+peers' memory files, else ``shm_ring``; every rank takes the same); connect the control
+wire; create and open the rings. Each step ends with every rank saying whether it succeeded,
+so a step that fails on one rank fails on all of them, naming the rank and the cause,
+instead of leaving the others in a barrier.
+
+A collective: its tensor is checked (``base.check_*``), staged to pinned host memory on CUDA
+(``staging``), given a result buffer from the pool (``memory``) and queued (``scheduler``).
+Whoever runs it posts the transfers with other hosts (``remote``), moves the local part
+(``local.LocalExchange``), sleeping on the wire between steps, and waits for the other
+hosts. A peer whose connection ends, a peer whose process is gone, or no progress for
+``timeout_s`` fails the collective; ``wait()`` raises ``TransportError`` naming the
+operation, the peer and the cause, and the peers are told.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import math
+import os
+import time
+import uuid
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from freescale.transport.base import TransportError, check_all_gather, check_all_to_all
+from freescale.transport.host_staged import memory, wire
+from freescale.transport.host_staged.local import LocalExchange
+from freescale.transport.host_staged.remote import RemoteTransfers
+from freescale.transport.host_staged.scheduler import Handle, Op, Scheduler
+from freescale.transport.host_staged.staging import CudaStaging
+
+
+class HostStagedTransport:
+    name = "host_staged"
+
+    def __init__(self, group: dist.ProcessGroup | None = None, cfg=None) -> None:
+        from freescale.config import TransportConfig
+
+        cfg = cfg or TransportConfig(kind="host_staged")
+        self.group = group or dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        self.chunk = cfg.chunk_kib * 1024
+        self.slots = cfg.slots
+        self.timeout_s = cfg.timeout_s
+        self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
+        self._closed = False
+        self.inbound: dict[int, memory.Ring] = {}
+        self.outbound: dict[int, memory.Ring] = {}
+        self._listener = None
+        self._peers: dict[int, wire.Peer] = {}
+        self.wire: wire.Wire | None = None
+        self.scheduler: Scheduler | None = None
+        self.pool: memory.BufferPool | None = None
+        self.peer_files: memory.PeerFiles | None = None
+        try:
+            self._set_up(cfg)
+        except BaseException:
+            self._release()
+            raise
+        _LIVE.add(self)
+
+    # Set-up --------------------------------------------------------------------------------
+
+    def _set_up(self, cfg) -> None:
+        probe = memory.probe_file()  # what peers map to test that they can: holds this rank's pid
+        try:
+            info = self._collective("exchanging host names", self._all_gather_object,
+                                    (os.uname().nodename, os.getpid(), probe))
+            host = info[self.rank][0]
+            self.pids = [pid for _, pid, _ in info]
+            self.local = [h == host for h, _, _ in info]
+            token = uuid.uuid4().hex[:12] if self.rank == 0 else None
+            self.prefix = f"freescale-{self._collective('agreeing on a name', self._broadcast_object, token)}"
+            self.local_path = self._choose_local_path(cfg.local_path, info)
+        finally:
+            os.close(probe)
+
+        peers = {r: self.pids[r] for r in range(self.world_size) if r != self.rank and self.local[r]}
+        self._agree("listening for peers", self._listen, len(peers))
+        self._agree("connecting the ranks of this host", self._connect, peers)
+        # Rings with every peer on this host (mapped too: messages under a chunk go through them).
+        self._agree("creating rings", self._create_rings, list(peers))
+        self._agree("opening rings", self._open_rings, list(peers))
+        self._agree("unlinking rings", self._unlink_rings)
+
+        self.wire = wire.Wire(self.rank, self._peers, timeout_s=self.timeout_s, spin_s=cfg.spin_us * 1e-6)
+        self.pool = memory.BufferPool(mapped=self.local_path == "mapped")
+        self.peer_files = memory.PeerFiles(self.pids)
+        self.staging = CudaStaging(self.pool) if torch.cuda.is_available() else None
+        remote = [r for r in range(self.world_size) if not self.local[r]]
+        self.remote = RemoteTransfers(self.rank, remote, self._global, self.group, self.timeout_s)
+        self.scheduler = Scheduler(self.rank, run=self._execute, on_failure=lambda op: self.wire.fail(op.key))
+
+    def _choose_local_path(self, wanted: str, info: list) -> str:
+        """``mapped`` if every rank can map its peers' memory files (and ``wanted`` allows it)."""
+        problem = None
+        if wanted != "shm_ring":
+            for r in range(self.world_size):
+                if r != self.rank and self.local[r]:
+                    _, pid, fd = info[r]
+                    problem = memory.can_map(self.rank, r, pid, fd)
+                    if problem:
+                        break
+        problems = self._collective("probing memory files", self._all_gather_object, problem)
+        first = next((p for p in problems if p), None)  # every rank decides alike
+        if wanted == "mapped" and first:
+            raise TransportError(f"host_staged: transport.local_path=mapped but {first}")
+        return "shm_ring" if wanted == "shm_ring" or first else "mapped"
+
+    def _listen(self, backlog: int) -> None:
+        self._listener = wire.listen(self.prefix, self.rank, backlog)
+
+    def _connect(self, peers: dict[int, int]) -> None:
+        listener, self._listener = self._listener, None
+        self._peers = wire.connect(listener, self.prefix, self.rank, peers, self.timeout_s)
+
+    def _create_rings(self, peers: list[int]) -> None:
+        for src in peers:
+            self.inbound[src] = memory.create_ring(self._ring_name(src, self.rank), self.chunk, self.slots)
+
+    def _open_rings(self, peers: list[int]) -> None:
+        for dst in peers:
+            self.outbound[dst] = memory.open_ring(self._ring_name(self.rank, dst), self.chunk, self.slots)
+
+    def _unlink_rings(self) -> None:
+        for ring in self.inbound.values():
+            memory.unlink(ring)
+
+    def _ring_name(self, src: int, dst: int) -> str:
+        return f"{self.prefix}-{src}-{dst}"
+
+    def _agree(self, step: str, fn, *args) -> None:
+        """Run ``fn`` here, then learn whether it succeeded on every rank; fail on all if not."""
+        problem = None
+        try:
+            fn(*args)
+        except Exception as e:
+            problem = str(e) or type(e).__name__
+        problems = self._collective(step, self._all_gather_object, problem)
+        failed = [(r, p) for r, p in enumerate(problems) if p]
+        if failed:
+            where = "; ".join(f"rank {r}: {p}" for r, p in failed)
+            raise TransportError(f"host_staged: set-up failed {step}: {where}")
+
+    def _collective(self, step: str, fn, value):
+        try:
+            return fn(value)
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise TransportError(f"host_staged: set-up failed {step} (rank {self.rank}): {first}") from e
+
+    def _all_gather_object(self, value) -> list:
+        out = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def _broadcast_object(self, value):
+        box = [value]
+        dist.broadcast_object_list(box, src=self._global[0], group=self.group)
+        return box[0]
+
+    # Interface -----------------------------------------------------------------------------
+
+    def all_to_all_single(self, tensor: torch.Tensor, input_splits, output_splits) -> Handle:
+        tensor, ins, outs = check_all_to_all(self.name, self.rank, self.world_size, tensor, input_splits, output_splits)
+        return self._submit("all_to_all_single", tensor, ins, outs, gather=False)
+
+    def all_gather(self, tensor: torch.Tensor, sizes=None) -> Handle:
+        tensor, sizes = check_all_gather(self.name, self.rank, self.world_size, tensor, sizes)
+        return self._submit("all_gather", tensor, [tensor.shape[0]] * self.world_size, sizes, gather=True)
+
+    def errored(self) -> Exception | None:
+        failed = self.scheduler.failed
+        return None if failed is None else TransportError(f"host_staged: {failed}")
+
+    def abort(self, cause: str = "aborted") -> None:
+        self.scheduler.abort(cause)
+        self.wire.interrupt()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        _LIVE.discard(self)
+        if self.scheduler is not None:
+            self.abort("the transport was closed")
+            if not self.scheduler.close():
+                return  # a thread is still inside a collective: leave its memory mapped
+        self._release()
+        self.remote = None  # holds the process group
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _release(self) -> None:
+        for ring in (*self.inbound.values(), *self.outbound.values()):
+            ring.close()
+        self.inbound.clear()
+        self.outbound.clear()
+        if self._listener is not None:
+            self._listener.close()
+        if self.wire is not None:
+            self.wire.close()
+        else:
+            for p in self._peers.values():
+                p.sock.close()
+        if self.pool is not None:
+            self.pool.close()
+        if self.peer_files is not None:
+            self.peer_files.close()
+
+    # One collective ------------------------------------------------------------------------
+
+    def _submit(self, op: str, tensor: torch.Tensor, input_splits: list[int], output_splits: list[int],
+                gather: bool) -> Handle:
+        if self._closed:
+            raise TransportError(f"host_staged {op}: the transport is closed")
+        if self.scheduler.failed:
+            raise TransportError(f"host_staged {op}: an earlier collective failed: {self.scheduler.failed}")
+        row_shape = tuple(tensor.shape[1:])
+        row_bytes = tensor.element_size() * math.prod(row_shape)
+        out_host = self.pool.take((sum(output_splits), *row_shape), tensor.dtype, pinned=tensor.is_cuda)
+        if tensor.is_cuda:
+            src, ready = self.staging.to_host(tensor)
+            finish = lambda: self.staging.to_device(out_host, tensor.device)  # noqa: E731
+        else:
+            src, ready = tensor, None
+            finish = lambda: out_host  # noqa: E731
+        in_bytes = [n * row_bytes for n in input_splits]
+        out_bytes = [n * row_bytes for n in output_splits]
+        item = Op(
+            key=self.scheduler.next_key(), handle=Handle(op, finish, self.scheduler.drive), ready=ready,
+            send=src.data_ptr(), in_bytes=in_bytes,
+            # Every destination of an all-gather reads the same bytes: its offsets all start at 0.
+            in_offsets=[0] * self.world_size if gather else [0, *itertools.accumulate(in_bytes)][:-1],
+            recv=out_host.data_ptr(), out_bytes=out_bytes, out_offsets=[0, *itertools.accumulate(out_bytes)][:-1],
+            keep=(tensor, src, out_host))
+        self.scheduler.submit(item)
+        return item.handle
+
+    def _execute(self, op: Op) -> None:
+        """Move one collective's bytes: peers on other hosts (posted first), peers on this host
+        (stepped until done, sleeping on the wire between steps), then the other hosts' end."""
+        if op.ready is not None:
+            op.ready.synchronize()
+        remote = self.remote.start(op)
+        exchange = LocalExchange(op, self.rank, self.wire, self.inbound, self.outbound, self.pool, self.peer_files,
+                                 chunk=self.chunk, mapped=self.local_path == "mapped")
+        exchange.start()
+        deadline = time.monotonic() + self.timeout_s
+        next_check = time.monotonic() + wire.CHECK_S
+        while True:
+            progressed = exchange.step()
+            if exchange.done:
+                break
+            if op.handle.done.is_set():  # aborted
+                raise RuntimeError(self.scheduler.failed or "aborted")
+            now = time.monotonic()
+            if progressed:
+                deadline = now + self.timeout_s
+            waiting = sorted(exchange.waiting_for())
+            if not progressed and now >= deadline:
+                raise wire.PeerError(f"no progress for {self.timeout_s:g} s waiting for rank(s) {waiting}")
+            self.wire.check(waiting, op.key, pids=now >= next_check)
+            if now >= next_check:
+                next_check = now + wire.CHECK_S
+            if not progressed:
+                self.wire.wait(0.001 if exchange.ring_full else min(wire.CHECK_S, max(0.0, deadline - now)))
+        self.remote.finish(remote)
+
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    """Stop the proxies before the interpreter tears down (a proxy left running then can abort it)."""
+    for t in list(_LIVE):
+        t.close()
