@@ -1,4 +1,4 @@
-"""Bubble arithmetic on step records (pure; see DESIGN.md "Measures").
+"""Bubble arithmetic on step records (pure; see docs/design.md, "Measures").
 
 Per rank ``r`` and step, from a record (``start``, ``end``, main-thread ``cpu``, ``data``
 spans and their ``data_cpu``):
@@ -71,10 +71,17 @@ def _ms(x: float) -> float:
 
 
 def summarize(rank_steps: list[RankStep], warmup_steps: int = 0) -> dict:
-    """Run summary and per-rank per-step means (milliseconds) over the steps after warm-up."""
-    kept = [s for s in rank_steps if s.step > warmup_steps] or list(rank_steps)
-    if not kept:
+    """Run summary and per-rank per-step means (milliseconds) over the steps after warm-up.
+
+    A run no longer than its warm-up is summarized over all its steps; the summary then says
+    so (``warmup_steps`` 0, ``warmup_covered_all_steps`` true) rather than report nothing.
+    """
+    if not rank_steps:
         raise ValueError("no complete steps to summarize")
+    kept = [s for s in rank_steps if s.step > warmup_steps]
+    covered = not kept
+    if covered:
+        kept, warmup_steps = list(rank_steps), 0
     arr = lambda f: np.array([f(s) for s in kept], dtype=np.float64)
     T, C, D, S, E = arr(lambda s: s.T), arr(lambda s: s.C), arr(lambda s: s.D), arr(lambda s: s.straggler), arr(lambda s: s.exposed)
     bubble = arr(lambda s: s.bubble_fraction)
@@ -98,6 +105,7 @@ def summarize(rank_steps: list[RankStep], warmup_steps: int = 0) -> dict:
         "first_step": steps[0],
         "last_step": steps[-1],
         "warmup_steps": warmup_steps,
+        "warmup_covered_all_steps": covered,
         "ranks": len(ranks),
     }
     per_rank = []

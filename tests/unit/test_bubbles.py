@@ -82,3 +82,40 @@ def test_summary_means_after_warmup():
     per_rank = {p["rank"]: p for p in result["per_rank"]}
     assert per_rank[0]["straggler_bubble_ms"] == pytest.approx(100.0) and per_rank[1]["straggler_bubble_ms"] == 0
     assert per_rank[0]["compute_ms"] == pytest.approx(50.0) and per_rank[1]["exposed_comm_ms"] == pytest.approx(50.0)
+
+
+def test_three_ranks_wait_for_the_slowest_not_the_mean_or_the_nearest():
+    # Compute ends at 50, 100 and 200 ms; everyone leaves the collective at 230 ms.
+    steps = by(decompose({0: [rec(1, 0.0, 0.230, 0.050)], 1: [rec(1, 0.0, 0.230, 0.100)],
+                          2: [rec(1, 0.0, 0.230, 0.200)]}))
+    assert close(steps[(0, 1)].straggler, 0.150)  # not 0.100 (mean of peers) nor 0.050 (nearest)
+    assert close(steps[(1, 1)].straggler, 0.100)
+    assert close(steps[(2, 1)].straggler, 0.0) and close(steps[(2, 1)].exposed, 0.030)
+    assert close(steps[(0, 1)].exposed, 0.030) and close(steps[(1, 1)].exposed, 0.030)
+
+
+def test_four_ranks_with_data_waits_offsets_and_a_capped_bubble():
+    timelines = {
+        0: [rec(1, 1.000, 1.300, 0.100)],  # computes 100 ms
+        1: [rec(1, 1.010, 1.300, 0.090, data=[(1.010, 1.050)], data_cpu=0.005)],  # starts late, waits for data
+        2: [rec(1, 1.000, 1.300, 0.260)],  # the straggler: compute ends at 1.260
+        3: [rec(1, 1.000, 1.120, 0.100)],  # leaves at 1.120, before rank 2 is done: its wait is all it can lose
+    }
+    steps = by(decompose(timelines))
+    assert close(steps[(0, 1)].straggler, 0.160) and close(steps[(0, 1)].exposed, 0.040)
+    one = steps[(1, 1)]  # compute end 1.010 + 0.040 (data) + 0.085 = 1.135
+    assert close(one.D, 0.040) and close(one.C, 0.085) and close(one.straggler, 0.125)
+    assert close(steps[(2, 1)].straggler, 0.0)
+    assert close(steps[(3, 1)].W, 0.020) and close(steps[(3, 1)].straggler, 0.020)  # capped by W
+    s = summarize(decompose(timelines))["summary"]
+    assert s["straggler_bubble_ms_per_step"] == pytest.approx(1000 * (0.160 + 0.125 + 0.0 + 0.020) / 4)
+    assert s["straggler_bubble_ms_max"] == pytest.approx(160.0)
+
+
+def test_a_run_no_longer_than_its_warmup_is_summarized_over_every_step():
+    timelines = {r: [rec(s, s - 1.0, s - 0.9, 0.05 * (r + 1)) for s in (1, 2, 3)] for r in (0, 1)}
+    s = summarize(decompose(timelines), warmup_steps=3)["summary"]
+    assert s["steps"] == 3 and s["first_step"] == 1
+    assert s["warmup_steps"] == 0 and s["warmup_covered_all_steps"] is True
+    s = summarize(decompose(timelines), warmup_steps=2)["summary"]
+    assert s["steps"] == 1 and s["warmup_steps"] == 2 and s["warmup_covered_all_steps"] is False
