@@ -6,8 +6,10 @@
     freescale balance --lengths X.npy --ranks N [--partition P]  partition quality of a global batch
     freescale config [--config PATH] [--section.key=value ...]   print the resolved config
 
-Bad input (unknown key, wrong type, out-of-range value, missing file, malformed YAML) exits
-with status 2 and one line on stderr naming what was wrong.
+Bad input (unknown key, wrong type, out-of-range value, missing or malformed file, malformed
+YAML) exits with status 2 and one line on stderr naming what was wrong. A run that fails
+after it started exits with status 1 and one line naming the cause and the rank's log file,
+which holds the traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import sys
 from freescale.config import ConfigError, describe, dump_yaml, load_config
 
 EXIT_USAGE = 2
+EXIT_FAILED = 1
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -144,11 +147,15 @@ def _balance(args) -> None:
 
 def _calibrate(args, cfg) -> None:
     from freescale.balance.calibrate import calibrate
+    from freescale.data.readers import DataError
 
     if args.repeats < 1:
         _fail(f"--repeats: expected a value >= 1, got {args.repeats}")
     out = args.out or os.path.join(cfg.run.out_dir, f"cost_model-{cfg.run.name}.json")
-    model = calibrate(cfg, repeats=args.repeats)
+    try:
+        model = calibrate(cfg, repeats=args.repeats)
+    except DataError as e:
+        _fail(str(e))
     model.save(out)
     print(f"cost(L, C) = {model.a:.4g}*L + {model.b:.4g}*L^2 + {model.c:.4g}*C + {model.d:.4g}  (seconds)")
     print(f"fit: R^2 {model.fit['r2']:.4f}, worst relative error {100 * model.fit['worst_relative_error']:.1f}% "
@@ -179,15 +186,30 @@ def main(argv: list[str] | None = None) -> None:
             print(dump_yaml(cfg), end="")
         return
 
+    _train(cfg)
+
+
+def _train(cfg) -> None:
     from freescale.balance.cost import CostModelError
     from freescale.data.readers import DataError
     from freescale.train.checkpoint import CheckpointError
-    from freescale.train.trainer import train
+    from freescale.train.trainer import TrainingError, train
 
+    bad_input = (DataError, CheckpointError, CostModelError)
     try:
         train(cfg)
-    except (DataError, CheckpointError, CostModelError) as e:
+    except bad_input as e:
         _fail(str(e))
+    except TrainingError as e:
+        if isinstance(e.__cause__, bad_input):
+            _fail(str(e.__cause__))
+        print(f"freescale: error: {_first_line(str(e))} (traceback in {e.log_path})", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+
+
+def _first_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[0] if lines else text
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ class EmbeddingConfig:
     lr: Annotated[float, Range(min=0.0)] = 0.05
     """Learning rate of the embedding optimizer."""
     sharding: Literal["auto", "row_wise", "table_wise"] = "row_wise"
-    """Sharding of the item table (the pooled user table is table-wise); auto lets TorchRec's planner choose."""
+    """Sharding of the item table (the pooled user table is column-wise, so every rank takes part); auto lets TorchRec's planner choose."""
     init_std: Annotated[float, Range(min=0.0)] = 0.05
     """Standard deviation of the normal initialization of embedding rows."""
 
@@ -179,6 +179,8 @@ class TrainConfig:
     """torch.distributed backend: auto picks nccl on cuda, gloo on cpu."""
     gc_every: Annotated[int, NonNegative] = 50
     """Run Python's garbage collector every this many steps on all ranks at once (0 = Python's own schedule)."""
+    ledger: bool = False
+    """Record the sample ids each rank trains at each step under <run>/ledger/ (exactly-once checks)."""
 
 
 @dataclass
@@ -236,6 +238,16 @@ class ProfileConfig:
 
 
 @dataclass
+class FaultConfig:
+    at_step: Annotated[int, NonNegative] = 0
+    """Inject a fault as this step begins (0 = never), to test recovery and clean-up."""
+    ranks: list[int] = field(default_factory=list)
+    """Ranks (within the replica) that fail; empty = every rank."""
+    kind: Literal["raise", "exit"] = "raise"
+    """raise: an exception in the training loop; exit: the process ends at once, as a crash would."""
+
+
+@dataclass
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
     """Run identity, folder, device and logging."""
@@ -255,6 +267,8 @@ class ExperimentConfig:
     """How all-to-all / all-gather bytes move between ranks."""
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     """Bubble profiling: step timelines, the report, straggler injection."""
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    """Declared fault injection (off by default)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -486,6 +500,8 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"profile.torch_trace_steps: expected [first, last] with 1 <= first <= last, got {trace}")
     if any(r < 0 for r in cfg.profile.delay_ranks):
         raise ConfigError(f"profile.delay_ranks: expected rank numbers >= 0, got {cfg.profile.delay_ranks}")
+    if any(r < 0 for r in cfg.fault.ranks):
+        raise ConfigError(f"fault.ranks: expected rank numbers >= 0, got {cfg.fault.ranks}")
     if cfg.balance.cost_model and not os.path.isfile(cfg.balance.cost_model):
         raise ConfigError(f"balance.cost_model: file not found: {cfg.balance.cost_model}")
     if cfg.checkpoint.resume and not os.path.isdir(cfg.checkpoint.resume):

@@ -3,6 +3,10 @@
 A job is either launched by torchrun (RANK/WORLD_SIZE/MASTER_ADDR set) or run standalone, in
 which case a one-rank gloo group over an in-process store is created so the rest of the code
 (DMP, collectives) is the same in both cases.
+
+Every collective of the trainer runs on the replica's own process group (``Topology.group``),
+never on the world implicitly: with several replicas in one world (the replica layer, or a
+test), the world is not one replica. Ranks in a ``Topology`` are ranks within the replica.
 """
 
 from __future__ import annotations
@@ -20,18 +24,26 @@ from freescale import env
 
 @dataclass(frozen=True)
 class Topology:
-    """Where this process sits. Replicas arrive with the fault-tolerance layer; today one."""
+    """Where this process sits: its rank among the ranks of its replica, and the replica's group."""
 
     rank: int
+    """Rank within the replica."""
     world_size: int
+    """Ranks in the replica."""
     local_rank: int
     local_world_size: int
     replica_id: int = 0
     num_replicas: int = 1
+    group: dist.ProcessGroup | None = None
+    """The replica's process group (None: the default group, which is then the replica)."""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def pg(self) -> dist.ProcessGroup:
+        return self.group or dist.group.WORLD
 
 
 def resolve_device(kind: str, local_rank: int) -> torch.device:
@@ -72,11 +84,24 @@ def set_threads(requested: int, local_world_size: int) -> int:
     return threads
 
 
-def broadcast_object(obj, src: int = 0):
-    """Broadcast a picklable object from ``src`` to every rank."""
+def broadcast_object(obj, group: dist.ProcessGroup, src: int = 0):
+    """Broadcast a picklable object from rank ``src`` of ``group`` to the group's ranks."""
     box = [obj]
-    dist.broadcast_object_list(box, src=src)
+    dist.broadcast_object_list(box, group=group, group_src=src)
     return box[0]
+
+
+def all_gather_object(obj, group: dist.ProcessGroup) -> list:
+    """Every rank's ``obj``, in the group's rank order."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def new_group_like(group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A new gloo group over the same ranks as ``group`` (only those ranks take part in making it)."""
+    ranks = dist.get_process_group_ranks(group)
+    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
 
 
 def shutdown() -> None:
@@ -84,22 +109,20 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def estimate_clock_offset(rounds: int = 5) -> float:
-    """Seconds to add to this rank's ``time.time()`` to read rank 0's clock.
+def estimate_clock_offset(group: dist.ProcessGroup, rounds: int = 5) -> float:
+    """Seconds to add to this rank's ``time.time()`` to read the clock of ``group``'s rank 0.
 
-    Ranks on rank 0's host share its clock (offset 0). Others take the median, over a few
+    Ranks on that rank's host share its clock (offset 0). Others take the median, over a few
     rounds, of the difference between rank 0's and their own clock right after a barrier;
     the estimate is good to about one barrier's latency.
     """
-    world = dist.get_world_size()
-    hosts = [None] * world
-    dist.all_gather_object(hosts, os.uname().nodename)
+    me = dist.get_rank(group)
+    hosts = all_gather_object(os.uname().nodename, group)
     diffs = []
     for _ in range(rounds):
-        dist.barrier()
-        stamps = [None] * world
-        dist.all_gather_object(stamps, time.time())
-        diffs.append(stamps[0] - stamps[dist.get_rank()])
-    if hosts[dist.get_rank()] == hosts[0]:
+        dist.barrier(group=group)
+        stamps = all_gather_object(time.time(), group)
+        diffs.append(stamps[0] - stamps[me])
+    if hosts[me] == hosts[0]:
         return 0.0
     return float(sorted(diffs)[len(diffs) // 2])

@@ -81,6 +81,10 @@ class Balancer:
         handle = self.transport.all_to_all_single(torch.from_numpy(buffer), plan.input_splits, plan.output_splits)
         return _Exchange(handle, plan)
 
+    def close(self) -> None:
+        """Close the transport (collectives still in flight fail)."""
+        self.transport.close()
+
     def rebalance(self, local: Samples) -> tuple[Samples, float]:
         """All three stages, synchronously: this rank's new samples and loss scale."""
         sizes = self.gather_sizes(local).wait().numpy()
@@ -192,16 +196,16 @@ class NullBalancer:
         for k, samples in local_batches:
             yield Batch.from_samples(samples, k, self.user_hash_size)
 
+    def close(self) -> None:
+        pass
 
-def build_balancer(cfg, transport_cfg, *, user_hash_size: int):
-    """A Balancer on its own gloo process group when ``balance.enable``, else a NullBalancer."""
+
+def build_balancer(cfg, transport_cfg, cost_model: CostModel, *, group, user_hash_size: int):
+    """A Balancer on a gloo group of its own over ``group``'s ranks when ``balance.enable``, else a NullBalancer."""
     if not cfg.enable:
         return NullBalancer(user_hash_size)
-    import torch.distributed as dist
-
-    from freescale.balance.cost import load_cost_model
+    from freescale.distributed import new_group_like
     from freescale.transport.registry import build_transport
 
-    group = dist.new_group(backend="gloo")
-    return Balancer(cfg.partition, load_cost_model(cfg.cost_model), build_transport(transport_cfg, group),
+    return Balancer(cfg.partition, cost_model, build_transport(transport_cfg, new_group_like(group)),
                     user_hash_size=user_hash_size, normalize_loss=cfg.partition == "vbs")

@@ -7,8 +7,8 @@ next epoch). Rank ``r`` takes the contiguous ``r``-th slice, which is what a
 
 The cursor is the index of the next global batch, so it is the same on every rank and a
 resumed run continues exactly where the checkpoint left off. Pipelines read batches ahead of
-training; the trainer therefore checkpoints ``cursor_after(last trained batch)``, not the
-loader's own read position.
+training; the trainer therefore checkpoints the batch after the last one *trained*
+(``freescale.train.state.DataCursor``), not the loader's own read position.
 """
 
 from __future__ import annotations
@@ -85,11 +85,6 @@ class BatchLoader:
 
     def load_state_dict(self, state: dict) -> None:
         self.next_batch = int(state["next_batch"])
-
-    @staticmethod
-    def cursor_after(batch_index: int) -> dict:
-        """The loader state that resumes right after global batch ``batch_index``."""
-        return {"next_batch": int(batch_index) + 1}
 
 
 def eval_batches(source: SampleSource, *, num_samples: int, batch_size: int, rank: int, world_size: int,

@@ -11,39 +11,41 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.remote_device import _remote_device
 from torchrec.distributed.embedding import EmbeddingCollectionSharder
 from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 from torchrec.distributed.model_parallel import DistributedModelParallel
 from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints
 from torchrec.distributed.planner import Topology as PlannerTopology
-from torchrec.distributed.types import ShardingEnv, ShardingType
+from torchrec.distributed.types import ShardingEnv, ShardingPlan, ShardingType
 from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
 from torchrec.optim.keyed import CombinedOptimizer, KeyedOptimizerWrapper
 from torchrec.optim.optimizers import in_backward_optimizer_filter
 from torchrec.optim.rowwise_adagrad import RowWiseAdagrad
 
 from freescale.config import EmbeddingConfig, TrainConfig
-from freescale.distributed import Topology
+from freescale.distributed import Topology, broadcast_object
 from freescale.model.seqrec import ITEM_TABLE, USER_TABLE
 
-_SHARDING_TYPES = {"row_wise": ShardingType.ROW_WISE, "table_wise": ShardingType.TABLE_WISE}
-_EMBEDDING_OPTIMIZERS = {"rowwise_adagrad": RowWiseAdagrad, "sgd": torch.optim.SGD}
-_DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
+SHARDING_TYPES = {"row_wise": ShardingType.ROW_WISE, "table_wise": ShardingType.TABLE_WISE}
+EMBEDDING_OPTIMIZERS = {"rowwise_adagrad": RowWiseAdagrad, "sgd": torch.optim.SGD}
+DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
 
 
-def shard_model(model: nn.Module, cfg: EmbeddingConfig, topology: Topology, device: torch.device,
-                pg: dist.ProcessGroup | None = None) -> DistributedModelParallel:
-    """Fuse the embedding optimizer, plan the sharding collectively and wrap in DMP."""
-    pg = pg or dist.group.WORLD
+def shard_model(model: nn.Module, cfg: EmbeddingConfig, topology: Topology, device: torch.device
+                ) -> DistributedModelParallel:
+    """Fuse the embedding optimizer, plan the sharding on the replica's rank 0 (every rank gets
+    its plan) and wrap in DMP over the replica's group."""
+    pg = topology.pg
     for module in (m for m in (getattr(model, "item_ec", None), getattr(model, "user_ebc", None)) if m is not None):
-        apply_optimizer_in_backward(_EMBEDDING_OPTIMIZERS[cfg.optimizer], module.parameters(), {"lr": cfg.lr})
+        apply_optimizer_in_backward(EMBEDDING_OPTIMIZERS[cfg.optimizer], module.parameters(), {"lr": cfg.lr})
     sharders = [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
     constraints = None
     if cfg.sharding != "auto":
         # Pooled tables shard row-wise only on accelerators in TorchRec. Column-wise gives every
         # rank a slice, so all ranks take part in the same collectives in the same order.
         constraints = {
-            ITEM_TABLE: ParameterConstraints(sharding_types=[_SHARDING_TYPES[cfg.sharding].value]),
+            ITEM_TABLE: ParameterConstraints(sharding_types=[SHARDING_TYPES[cfg.sharding].value]),
             USER_TABLE: ParameterConstraints(sharding_types=[ShardingType.COLUMN_WISE.value]),
         }
     planner = EmbeddingShardingPlanner(
@@ -51,14 +53,33 @@ def shard_model(model: nn.Module, cfg: EmbeddingConfig, topology: Topology, devi
                                  local_world_size=topology.local_world_size),
         constraints=constraints,
     )
-    plan = planner.collective_plan(model, sharders, pg)
+    # TorchRec's collective_plan broadcasts from global rank 0, which a replica other than the
+    # first does not hold; plan on the replica's rank 0 and broadcast within the replica.
+    plan = broadcast_object(planner.plan(model, sharders) if topology.is_main else None, pg)
+    _place_on_global_ranks(plan, pg)
     return DistributedModelParallel(model, env=ShardingEnv.from_process_group(pg), device=device, plan=plan,
                                     sharders=sharders)
 
 
+def _place_on_global_ranks(plan: ShardingPlan, pg) -> None:
+    """Name each shard's placement by its global rank, as torch's ShardedTensor reads it.
+
+    The planner numbers ranks within the replica (0 .. ranks-1), which are the global ranks
+    only in the first replica; the sharding itself stays in replica ranks (``param_sharding.ranks``,
+    compared with the replica's ``ShardingEnv``).
+    """
+    global_rank = dist.get_process_group_ranks(pg)
+    for module_plan in plan.plan.values():
+        for param_sharding in module_plan.values():
+            spec = param_sharding.sharding_spec
+            for shard in getattr(spec, "shards", None) or []:
+                device = shard.placement.device()
+                shard.placement = _remote_device(f"rank:{global_rank[shard.placement.rank()]}/{device}")
+
+
 def build_optimizer(model: DistributedModelParallel, cfg: TrainConfig) -> CombinedOptimizer:
     """The fused embedding optimizer plus the dense optimizer over every other parameter."""
-    dense_cls = _DENSE_OPTIMIZERS[cfg.optimizer]
+    dense_cls = DENSE_OPTIMIZERS[cfg.optimizer]
     dense = KeyedOptimizerWrapper(
         dict(in_backward_optimizer_filter(model.named_parameters())),
         lambda params: dense_cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay),

@@ -197,8 +197,8 @@ def read_timelines(run_dir: str) -> tuple[dict[int, dict], dict[int, list[dict]]
     return metas, steps
 
 
-def build_timeline(cfg, run_dir: str, *, rank: int, world_size: int, threads: int, device_type: str):
-    """A StepTimeline for this rank when ``profile.enable``, else a NullTimeline."""
+def build_timeline(cfg, run_dir: str, *, rank: int, world_size: int, threads: int, device_type: str, group):
+    """A StepTimeline for this rank when ``profile.enable``, else a NullTimeline (clocks agreed on ``group``)."""
     if not cfg.enable:
         return NullTimeline()
     from freescale.distributed import estimate_clock_offset
@@ -211,5 +211,5 @@ def build_timeline(cfg, run_dir: str, *, rank: int, world_size: int, threads: in
         get_logger().warning("profile: compute is not yet read from CUDA events; bubbles count host time as compute")
 
     trace = os.path.join(run_dir, PROFILE_DIR, f"trace_rank{rank}.json")
-    return StepTimeline(rank_file(run_dir, rank), rank=rank, world_size=world_size, clock_offset=estimate_clock_offset(),
+    return StepTimeline(rank_file(run_dir, rank), rank=rank, world_size=world_size, clock_offset=estimate_clock_offset(group),
                         threads=threads, torch_trace_steps=cfg.torch_trace_steps, trace_path=trace)

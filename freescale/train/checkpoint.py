@@ -1,10 +1,12 @@
 """Checkpoint save and resume with torch.distributed.checkpoint (DCP).
 
-A checkpoint is a DCP folder ``<run>/checkpoints/step_<N>`` holding the sharded model
-(embedding shards as ShardedTensors), both optimizers, the trainer state (step, data cursor)
-and each rank's RNG state. It is written to a hidden temporary folder and renamed into place
-by the main rank once every rank has finished, so a crash mid-save never leaves a folder that
-looks complete; older checkpoints beyond ``keep`` are then removed.
+A checkpoint is a DCP folder ``<run>/checkpoints/step_<N>`` holding a ``TrainingState``'s
+parts (``freescale.train.state``): the sharded model (embedding shards as ShardedTensors),
+both optimizers, the step, the data cursor and each rank's RNG state. It is written to a
+hidden temporary folder and renamed into place by the replica's main rank once every rank
+has finished, so a crash mid-save never leaves a folder that looks complete, and the
+previous checkpoint stays loadable; older checkpoints beyond ``keep`` are then removed.
+Every collective runs on the replica's process group.
 """
 
 from __future__ import annotations
@@ -13,11 +15,11 @@ import os
 import re
 import shutil
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from freescale.config import CheckpointConfig
+from freescale.train.state import TrainingState
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -58,46 +60,45 @@ def run_dir_of(checkpoint: str) -> str:
 
 
 class Checkpointer:
-    def __init__(self, run_dir: str, cfg: CheckpointConfig, *, rank: int) -> None:
+    def __init__(self, run_dir: str, cfg: CheckpointConfig, *, rank: int, group: dist.ProcessGroup) -> None:
         self.root = os.path.join(run_dir, "checkpoints")
         self.cfg = cfg
         self.rank = rank
+        self.group = group
 
-    def app_state(self, model: torch.nn.Module, optimizer, trainer_state: dict) -> dict:
-        """The state dict tree that is saved and loaded (in place)."""
-        return {
-            "model": model.state_dict(),
-            "optimizer": optimizer.state_dict(),
-            # Tensors, not ints: DCP flattens nested tensors on both save and load.
-            "trainer": {k: torch.tensor(v, dtype=torch.int64) for k, v in trainer_state.items()},
-            "rng": {f"rank{self.rank}": torch.get_rng_state()},
-        }
-
-    def save(self, step: int, state: dict) -> str:
+    def save(self, step: int, state: TrainingState) -> str:
         final = os.path.join(self.root, step_dir_name(step))
         tmp = os.path.join(self.root, f".tmp-{step_dir_name(step)}")
         if self.rank == 0:
             os.makedirs(self.root, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-        dist.barrier()
-        dcp.save(state, checkpoint_id=tmp)
-        dist.barrier()
+            shutil.rmtree(tmp, ignore_errors=True)  # left by a save that crashed
+        dist.barrier(group=self.group)
+        dcp.save(state.parts, checkpoint_id=tmp, process_group=self.group)
+        dist.barrier(group=self.group)
         if self.rank == 0:
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            for _, old in list_checkpoints(self.root)[: -self.cfg.keep]:
+            if os.path.exists(final):  # the same step saved again (a resume from an older checkpoint)
+                old = os.path.join(self.root, f".old-{step_dir_name(step)}")
                 shutil.rmtree(old, ignore_errors=True)
-        dist.barrier()
+                os.replace(final, old)
+                os.replace(tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(tmp, final)
+            for _, stale in list_checkpoints(self.root)[: -self.cfg.keep]:
+                shutil.rmtree(stale, ignore_errors=True)
+        dist.barrier(group=self.group)
         return final
 
-    def load(self, path: str, state: dict) -> None:
-        """Load ``path`` into ``state`` in place (the tree from ``app_state``)."""
+    def load(self, path: str, state: TrainingState) -> None:
+        """Load ``path`` into ``state``'s parts, in place."""
         if not os.path.exists(os.path.join(path, ".metadata")):
             raise CheckpointError(f"not a checkpoint folder: {path}")
-        saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-        rng_key = f"rank{self.rank}"
-        if f"rng.{rng_key}" not in saved:  # saved with fewer ranks: this rank keeps its seed
-            state = {k: v for k, v in state.items() if k != "rng"}
-        dcp.load(state, checkpoint_id=path)
-        if "rng" in state:
-            torch.set_rng_state(state["rng"][rng_key])
+        try:
+            saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+        except Exception as e:
+            raise CheckpointError(f"{path}: unreadable checkpoint metadata ({type(e).__name__}: {e})") from None
+        parts = dict(state.parts)
+        if f"rng.{parts['rng'].key}" not in saved:  # saved with fewer ranks: this rank keeps its seed
+            del parts["rng"]
+        state.prepare_load()
+        dcp.load(parts, checkpoint_id=path, process_group=self.group)

@@ -1,11 +1,20 @@
 """The training loop.
 
 ``train(cfg)`` is the whole job on one rank: set-up in short sections, then a loop of a few
-calls per step. It runs standalone (one rank) or under ``torchrun`` (one process per rank).
+calls per step. It runs standalone (one rank) or under ``torchrun`` (one process per rank);
+a replica layer passes the ``Topology`` of its replica, whose process group every collective
+here runs on.
+
+Inputs are read before anything is written (``read_inputs``): a bad data file, checkpoint or
+cost model fails without leaving a run folder behind. Once the run folder exists, whatever the run opens (the
+balancer's transport, the timeline, the ledger, the garbage collector's schedule, the log
+file) is closed on the way out, on success and on failure alike; a failure is logged with
+its traceback to the rank's log file and raised as a ``TrainingError`` naming the cause.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -21,34 +30,31 @@ import torch.distributed as dist
 
 from freescale import distributed
 from freescale.balance.balancer import build_balancer
+from freescale.balance.cost import CostModel, load_cost_model
 from freescale.config import ExperimentConfig, write_config
-from freescale.data.loader import BatchLoader, build_sources, eval_batches
+from freescale.data.loader import BatchLoader, SampleSource, build_sources, eval_batches
 from freescale.distributed import Topology
-from freescale.io import write_json_atomic
-from freescale.logging import setup_logging
+from freescale.faults import build_faults
+from freescale.io import rewind_jsonl, write_json_atomic
+from freescale.logging import log_file_path, log_to_file, setup_logging
 from freescale.model.seqrec import SeqRecModel
-from freescale.model.sharding import build_optimizer, init_dense_state, shard_model
+from freescale.model.sharding import build_optimizer, shard_model
 from freescale.profile.report import write_report
 from freescale.profile.straggler import inject_delay
 from freescale.profile.timeline import build_timeline, instrument_phases
 from freescale.train.checkpoint import Checkpointer, resolve_checkpoint, run_dir_of
+from freescale.train.ledger import build_ledger
 from freescale.train.metrics import MetricsLog, auc, log_loss, normalized_entropy, read_metrics
 from freescale.train.pipelines import Pipeline, build_pipeline
+from freescale.train.state import DataCursor, RNGState, TrainerState, TrainingState
 
 
-@dataclass
-class TrainState:
-    """What the trainer itself must carry across a restart."""
+class TrainingError(RuntimeError):
+    """Training failed on this rank; the message names the cause, ``log_path`` holds the traceback."""
 
-    step: int = 0
-    next_batch: int = 0
-
-    def state_dict(self) -> dict:
-        return {"step": self.step, "next_batch": self.next_batch}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-        self.next_batch = int(state["next_batch"])
+    def __init__(self, message: str, log_path: str) -> None:
+        super().__init__(message)
+        self.log_path = log_path
 
 
 @dataclass
@@ -64,104 +70,146 @@ class StepWindow:
         self.samples += samples
 
 
-def train(cfg: ExperimentConfig) -> dict:
+def train(cfg: ExperimentConfig, topology: Topology | None = None) -> dict:
     """Run (or resume) the experiment; returns the summary also written to summary.json."""
     # Processes, devices, logging.
     device = distributed.resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", 0)))
-    topo = distributed.init_distributed(device, cfg.train.backend)
+    topo = topology or distributed.init_distributed(device, cfg.train.backend)
     threads = distributed.set_threads(cfg.run.threads, topo.local_world_size)
     log = setup_logging(topo.replica_id, topo.rank)
     _quiet_third_party_logs()
     log.info(f"{topo.world_size} rank(s) on {device.type}, {threads} thread(s) per rank")
 
-    # Run folder: new, explicit, or the one being resumed.
+    # Inputs, before anything is written: a bad data file, checkpoint or cost model fails here.
+    inputs = read_inputs(cfg)
+
+    # Run folder: new, explicit, or the one being resumed; this rank's log file in it.
+    run_dir = _prepare_run_dir(cfg, topo, inputs.resume_from)
+    log_path = log_file_path(run_dir, topo.replica_id, topo.rank)
+    with contextlib.ExitStack() as closing:
+        closing.callback(log_to_file(log_path, topo.replica_id, topo.rank).close)
+        log.info(f"run folder: {run_dir}")
+        try:
+            return _train(cfg, topo, device, threads, run_dir, inputs, closing, log)
+        except Exception as e:
+            log.error(f"training failed: {type(e).__name__}: {e}", exc_info=True, extra={"file_only": True})
+            raise TrainingError(f"rank {topo.rank}: {type(e).__name__}: {e}", log_path) from e
+
+
+@dataclass
+class Inputs:
+    """What a run reads before it writes anything."""
+
+    train_source: SampleSource
+    eval_source: SampleSource
+    resume_from: str
+    """The checkpoint folder to resume from ("" for a new run)."""
+    cost_model: CostModel
+
+
+def read_inputs(cfg: ExperimentConfig) -> Inputs:
+    """The data sources, the checkpoint to resume and the cost model; raises on bad input."""
+    train_source, eval_source = build_sources(cfg.data, cfg.run.seed)
     resume_from = resolve_checkpoint(cfg.checkpoint.resume) if cfg.checkpoint.resume else ""
-    run_dir = _prepare_run_dir(cfg, topo, resume_from)
-    log.info(f"run folder: {run_dir}")
+    return Inputs(train_source, eval_source, resume_from, load_cost_model(cfg.balance.cost_model))
+
+
+def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads: int, run_dir: str,
+           inputs: Inputs, closing: contextlib.ExitStack, log: logging.Logger) -> dict:
+    """Set-up and the loop; everything opened is registered on ``closing``."""
+    group = topo.pg
+    resume_from = inputs.resume_from
     metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), enabled=topo.is_main)
 
     # Data: this rank's slice of every global batch, and its share of the held-out samples.
-    train_source, eval_source = build_sources(cfg.data, cfg.run.seed)
-    loader = BatchLoader(train_source, batch_size=cfg.data.batch_size, rank=topo.rank, world_size=topo.world_size,
+    loader = BatchLoader(inputs.train_source, batch_size=cfg.data.batch_size, rank=topo.rank, world_size=topo.world_size,
                          user_hash_size=cfg.model.user_hash_size)
-    held_out = eval_batches(eval_source, num_samples=cfg.data.eval_samples, batch_size=cfg.data.batch_size,
+    held_out = eval_batches(inputs.eval_source, num_samples=cfg.data.eval_samples, batch_size=cfg.data.batch_size,
                             rank=topo.rank, world_size=topo.world_size, user_hash_size=cfg.model.user_hash_size)
 
     # Model: built on the meta device, embedding tables sharded and materialized by DMP.
     torch.manual_seed(cfg.run.seed)
-    model = SeqRecModel(cfg.model, cfg.embedding, num_items=train_source.num_items,
+    model = SeqRecModel(cfg.model, cfg.embedding, num_items=inputs.train_source.num_items,
                         max_uih_len=cfg.data.max_uih_len, device=torch.device("meta"))
     model = shard_model(model, cfg.embedding, topo, device)
     optimizer = build_optimizer(model, cfg.train)
 
-    # Resume: model, optimizers, step, data cursor and RNG from the checkpoint.
-    state = TrainState()
-    checkpointer = Checkpointer(run_dir, cfg.checkpoint, rank=topo.rank)
+    # State that survives a restart; resume it from the checkpoint, and rewind the logs to it.
+    trainer = TrainerState()
+    cursor = DataCursor(loader)
+    state = TrainingState(model=model, optimizer=optimizer, trainer=trainer, data=cursor, rng=RNGState(topo.rank))
+    checkpointer = Checkpointer(run_dir, cfg.checkpoint, rank=topo.rank, group=group)
     if resume_from:
-        init_dense_state(optimizer)
-        app = checkpointer.app_state(model, optimizer, state.state_dict())
-        checkpointer.load(resume_from, app)
-        model.load_state_dict(app["model"])
-        optimizer.load_state_dict(app["optimizer"])
-        state.load_state_dict({k: int(v) for k, v in app["trainer"].items()})
-        log.info(f"resumed from {resume_from} at step {state.step}")
-    loader.load_state_dict({"next_batch": state.next_batch})
+        checkpointer.load(resume_from, state)
+        log.info(f"resumed from {resume_from} at step {trainer.step}")
+    first_step = trainer.step
+    if topo.is_main:
+        rewind_jsonl(metrics.path, first_step)
+    ledger = build_ledger(cfg.train.ledger, run_dir, replica=topo.replica_id, rank=topo.rank, start_step=first_step)
+    closing.callback(ledger.close)
 
     # Profiling: per-step timelines (a NullTimeline when off), phase spans, straggler injection.
     timeline = build_timeline(cfg.profile, run_dir, rank=topo.rank, world_size=topo.world_size, threads=threads,
-                              device_type=device.type)
+                              device_type=device.type, group=group)
+    closing.callback(timeline.finish)
     inject_delay(model, timeline, rank=topo.rank, ranks=cfg.profile.delay_ranks, delay_ms=cfg.profile.delay_ms)
     instrument_phases(timeline, model, optimizer)
 
     # Balancer: every global batch re-partitioned by cost (a NullBalancer keeps contiguous slices).
-    balancer = build_balancer(cfg.balance, cfg.transport, user_hash_size=cfg.model.user_hash_size)
+    balancer = build_balancer(cfg.balance, cfg.transport, inputs.cost_model, group=group,
+                              user_hash_size=cfg.model.user_hash_size)
+    closing.callback(balancer.close)
     if topo.is_main and cfg.balance.enable:
         balancer.cost_model.save(os.path.join(run_dir, "cost_model.json"))
 
     # The loop. Python's collector runs on a schedule shared by all ranks: left to itself it
     # pauses one rank at a time, and every pause becomes a straggler bubble on the others.
+    faults = build_faults(cfg.fault, topo.rank)
     collector = GarbageCollector(cfg.train.gc_every)
+    closing.callback(collector.close)
     pipeline = build_pipeline(cfg.train.pipeline, model, optimizer, device, timeline)
     batches = timeline.timed_batches(balancer.batches(loader.iter_samples()))
     window = StepWindow()
     started = time.perf_counter()
-    first_step = state.step
-    while state.step < cfg.train.steps:
-        timeline.begin_step(state.step + 1)
+    while trainer.step < cfg.train.steps:
+        faults.before_step(trainer.step + 1)
+        timeline.begin_step(trainer.step + 1)
         out = pipeline.progress(batches)
-        state.step += 1
-        timeline.end_step(state.step, out)
-        collector.step(state.step)
-        state.next_batch = BatchLoader.cursor_after(out.batch_index.item())["next_batch"]
+        trainer.step += 1
+        timeline.end_step(trainer.step, out)
+        collector.step(trainer.step)
+        cursor.advance_past(out.batch_index.item())
+        ledger.record(trainer.step, out.batch_index.item(), out.sample_ids.tolist())
         window.add(out.loss, len(out.sample_ids))
-        if _due(state.step, cfg.run.log_every, cfg.train.steps):
-            window = _log_progress(state.step, window, metrics, log)
-        if held_out and _due(state.step, cfg.train.eval_every, cfg.train.steps):
-            metrics.write({"step": state.step, **_evaluate(pipeline, held_out, log, state.step)})
-        if _due(state.step, cfg.checkpoint.every, cfg.train.steps if cfg.checkpoint.at_end else 0):
-            path = checkpointer.save(state.step, checkpointer.app_state(model, optimizer, state.state_dict()))
-            log.info(f"checkpoint {path}", extra={"step": state.step})
+        if _due(trainer.step, cfg.run.log_every, cfg.train.steps):
+            window = _log_progress(trainer.step, window, metrics, log, group)
+        if held_out and _due(trainer.step, cfg.train.eval_every, cfg.train.steps):
+            metrics.write({"step": trainer.step, **_evaluate(pipeline, held_out, log, trainer.step, group)})
+        if _due(trainer.step, cfg.checkpoint.every, cfg.train.steps if cfg.checkpoint.at_end else 0):
+            log.info(f"checkpoint {checkpointer.save(trainer.step, state)}", extra={"step": trainer.step})
 
-    collector.close()
+    # Summary and the bubble report.
     summary = {
         "run_dir": run_dir,
-        "steps": state.step,
-        "steps_this_launch": state.step - first_step,
+        "steps": trainer.step,
+        "first_step": first_step + 1,
+        "steps_this_launch": trainer.step - first_step,
+        "resumed_from": resume_from or None,
         "ranks": topo.world_size,
         "wall_s": round(time.perf_counter() - started, 3),
     }
-    if state.step == first_step:
-        log.info(f"nothing to train: already at step {state.step} of {cfg.train.steps}")
-        summary.update(_evaluate(pipeline, held_out, log, state.step))
+    if trainer.step == first_step:
+        log.info(f"nothing to train: already at step {trainer.step} of {cfg.train.steps}")
+        summary.update(_evaluate(pipeline, held_out, log, trainer.step, group))
     else:
         summary.update(_last_eval(run_dir) if topo.is_main else {})
     timeline.finish()
-    dist.barrier()
-    if topo.is_main and cfg.profile.enable and state.step > first_step:
+    dist.barrier(group=group)
+    if topo.is_main and cfg.profile.enable and trainer.step > first_step:
         summary["bubbles"] = _write_bubble_report(run_dir, cfg, log)
     if topo.is_main:
         write_json_atomic(os.path.join(run_dir, "summary.json"), summary)
-    dist.barrier()
+    dist.barrier(group=group)
     return summary
 
 
@@ -169,11 +217,12 @@ class GarbageCollector:
     """Automatic collection off; a full collection every ``every`` steps instead.
 
     Objects alive after set-up are frozen first, so the scheduled collections only walk what
-    training allocated since.
+    training allocated since. ``close`` restores Python's own schedule.
     """
 
     def __init__(self, every: int) -> None:
         self.every = every
+        self._closed = False
         if every:
             gc.collect()
             gc.freeze()
@@ -184,9 +233,10 @@ class GarbageCollector:
             gc.collect()
 
     def close(self) -> None:
-        if self.every:
+        if self.every and not self._closed:
             gc.unfreeze()
             gc.enable()
+        self._closed = True
 
 
 def _due(step: int, every: int, last: int) -> bool:
@@ -194,11 +244,12 @@ def _due(step: int, every: int, last: int) -> bool:
     return (every > 0 and step % every == 0) or step == last
 
 
-def _log_progress(step: int, window: StepWindow, metrics: MetricsLog, log: logging.Logger) -> StepWindow:
-    """Mean loss over ranks and steps of the window, global samples/s; starts a new window."""
+def _log_progress(step: int, window: StepWindow, metrics: MetricsLog, log: logging.Logger,
+                  group: dist.ProcessGroup) -> StepWindow:
+    """Mean loss over the replica's ranks and the window's steps, global samples/s; starts a new window."""
     totals = torch.stack([torch.stack(window.losses).sum(), torch.tensor(float(len(window.losses))),
                           torch.tensor(float(window.samples))]).double()
-    dist.all_reduce(totals)
+    dist.all_reduce(totals, group=group)
     elapsed = time.perf_counter() - window.started
     loss = (totals[0] / totals[1]).item()
     record = {
@@ -213,7 +264,7 @@ def _log_progress(step: int, window: StepWindow, metrics: MetricsLog, log: loggi
     return StepWindow()
 
 
-def _evaluate(pipeline: Pipeline, held_out: list, log: logging.Logger, step: int) -> dict:
+def _evaluate(pipeline: Pipeline, held_out: list, log: logging.Logger, step: int, group: dist.ProcessGroup) -> dict:
     """AUC, normalized entropy and log loss over every rank's held-out samples."""
     logits, labels = [], []
     with pipeline.evaluating() as model:
@@ -222,8 +273,7 @@ def _evaluate(pipeline: Pipeline, held_out: list, log: logging.Logger, step: int
             logits.append(out.logits.float().cpu())
             labels.append(out.labels.float().cpu())
     local = (torch.cat(logits).numpy(), torch.cat(labels).numpy()) if logits else (np.zeros(0), np.zeros(0))
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    gathered = distributed.all_gather_object(local, group)
     all_logits = np.concatenate([g[0] for g in gathered])
     all_labels = np.concatenate([g[1] for g in gathered])
     if len(all_labels) == 0:
@@ -256,7 +306,7 @@ def _prepare_run_dir(cfg: ExperimentConfig, topo: Topology, resume_from: str) ->
                 path = f"{base}-{suffix}"
         os.makedirs(path, exist_ok=True)
         write_config(cfg, os.path.join(path, "config.yaml"))
-    return distributed.broadcast_object(path)
+    return distributed.broadcast_object(path, topo.pg)
 
 
 def _write_bubble_report(run_dir: str, cfg: ExperimentConfig, log: logging.Logger) -> dict:

@@ -57,3 +57,34 @@ def test_report_errors_exit_2(tmp_path):
     proc = freescale("report", str(empty), timeout=60)
     assert proc.returncode == 2 and "no step timelines" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def _clock_offsets(rank, world, out_dir):
+    import os
+    import time
+    import types
+
+    import torch.distributed as dist
+
+    from freescale import distributed
+
+    group = dist.group.WORLD
+    same_host = distributed.estimate_clock_offset(group)
+    if rank == 2:  # another host, whose clock runs 5 s ahead
+        real_time = time.time
+        distributed.time = types.SimpleNamespace(time=lambda: real_time() + 5.0)
+        distributed.os = types.SimpleNamespace(uname=lambda: types.SimpleNamespace(nodename="elsewhere"))
+    offset = distributed.estimate_clock_offset(group)
+    distributed.time, distributed.os = time, os
+    with open(f"{out_dir}/offset{rank}", "w") as f:
+        f.write(f"{same_host} {offset}")
+
+
+def test_clock_offsets_are_zero_on_one_host_and_measured_across_hosts(tmp_path):
+    from helpers.spawn import run_ranks
+
+    run_ranks(3, _clock_offsets, str(tmp_path))
+    offsets = {r: [float(x) for x in (tmp_path / f"offset{r}").read_text().split()] for r in range(3)}
+    assert all(same == 0.0 for same, _ in offsets.values())
+    assert offsets[0][1] == 0.0 and offsets[1][1] == 0.0
+    assert offsets[2][1] == pytest.approx(-5.0, abs=0.05)  # add it to rank 2's clock to read rank 0's

@@ -32,18 +32,38 @@ def test_two_rank_training_writes_its_run_folder(tmp_path):
     assert summary["steps"] == 6 and summary["ranks"] == 2
 
 
-def test_resume_continues_with_the_same_losses(tmp_path):
+def test_resume_trains_only_the_remaining_steps_from_the_checkpoint(tmp_path):
     straight = run(tmp_path, "straight", "--train.steps=6")
     first = run(tmp_path, "first", "--train.steps=3")
-    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=6",
-                   f"--checkpoint.resume={first}"))
+    proc = check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=6",
+                          f"--checkpoint.resume={first}"))
+    assert f"resumed from {first}/checkpoints/step_00000003 at step 3" in proc.stdout
+    summary = json.loads((first / "summary.json").read_text())
+    assert summary["steps_this_launch"] == 3 and summary["first_step"] == 4 and summary["steps"] == 6
+    # Exactly one loss line per step: the resumed launch did not train steps 1-3 again.
+    steps = [r["step"] for r in metrics(first) if "train/loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    # Bitwise: same model, optimizer state, data cursor and RNG as the uninterrupted run; step 4's
+    # loss is the resumed weights' loss on batch 4 (a fresh model would not give it).
     expected, resumed = train_losses(straight), train_losses(first)
-    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
-    # Bitwise: same model, optimizer state, data cursor and RNG as the uninterrupted run.
     assert [resumed[s] for s in range(1, 7)] == [expected[s] for s in range(1, 7)]
-    final = lambda d: [r for r in metrics(d) if "eval/auc" in r][-1]
+    final = lambda d: [r for r in metrics(d) if "eval/auc" in r][-1]  # noqa: E731
     assert final(first)["eval/auc"] == final(straight)["eval/auc"]
     assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
+
+
+def test_checkpoints_are_pruned_and_an_older_one_resumes(tmp_path):
+    every = run(tmp_path, "every", "--train.steps=5", "--checkpoint.every=1", "--checkpoint.keep=2")
+    assert sorted(p.name for p in (every / "checkpoints").iterdir()) == ["step_00000004", "step_00000005"]
+    before = train_losses(every)
+    # Resume from one checkpoint folder, not the latest: step 5 is trained again, in place.
+    older = every / "checkpoints" / "step_00000004"
+    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=5", "--checkpoint.every=1",
+                   "--checkpoint.keep=2", f"--checkpoint.resume={older}"))
+    assert json.loads((every / "summary.json").read_text())["steps_this_launch"] == 1
+    assert [r["step"] for r in metrics(every) if "train/loss" in r] == [1, 2, 3, 4, 5]
+    assert train_losses(every) == before
+    assert sorted(p.name for p in (every / "checkpoints").iterdir()) == ["step_00000004", "step_00000005"]
 
 
 def test_ratings_log_trains_with_the_base_pipeline(tmp_path):

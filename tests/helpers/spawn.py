@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import datetime
 import faulthandler
 import os
 import socket
+import time
 import traceback
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def _free_port() -> int:
@@ -21,7 +25,9 @@ def _entry(rank, world, port, fn, args, errors):
     try:
         faulthandler.enable(all_threads=True)  # a rank that crashes shows where
         os.environ["OMP_NUM_THREADS"] = "1"
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # A collective that a peer never issues fails after COLLECTIVE_TIMEOUT instead of hanging the test.
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=COLLECTIVE_TIMEOUT)
         fn(rank, world, *args)
         dist.barrier()
         dist.destroy_process_group()
@@ -30,20 +36,30 @@ def _entry(rank, world, port, fn, args, errors):
         raise
 
 
-def run_ranks(world: int, fn, *args) -> None:
-    """Call ``fn(rank, world, *args)`` on ``world`` processes; re-raise the first failure."""
+def run_ranks(world: int, fn, *args, timeout_s: float = 300) -> None:
+    """Call ``fn(rank, world, *args)`` on ``world`` processes; re-raise the first failure.
+
+    Ranks still running after ``timeout_s`` (all together) are killed and fail the call.
+    """
     ctx = mp.get_context("spawn")
     errors = ctx.SimpleQueue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errors)) for r in range(world)]
     for p in procs:
         p.start()
+    deadline = time.monotonic() + timeout_s
     for p in procs:
-        p.join(300)
+        p.join(max(0.0, deadline - time.monotonic()))
+    running = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
     if not errors.empty():
         rank, tb = errors.get()
         raise AssertionError(f"rank {rank} failed:\n{tb}")
-    for p in procs:
+    if running:
+        raise AssertionError(f"rank(s) {running} still running after {timeout_s:g} s")
+    for r, p in enumerate(procs):
         if p.exitcode != 0:
-            p.kill()
-            raise AssertionError(f"a rank exited with {p.exitcode}")
+            raise AssertionError(f"rank {r} exited with {p.exitcode}")

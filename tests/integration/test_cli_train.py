@@ -27,3 +27,17 @@ def test_quickstart_learns_on_two_ranks(tmp_path):
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.02
     auc = [r for r in records if "eval/auc" in r][-1]["eval/auc"]
     assert auc > 0.6
+
+
+def test_a_failing_run_exits_1_with_one_line_and_the_traceback_in_its_log(tmp_path):
+    run_dir = tmp_path / "failing"
+    proc = freescale("train", "--config", str(QUICKSTART), *FAST, "--train.steps=3", "--fault.at_step=2",
+                     f"--run.dir={run_dir}")
+    assert proc.returncode == 1, proc.stderr
+    log = run_dir / "logs" / "replica0-rank0.log"
+    assert proc.stderr.strip().splitlines() == [
+        f"freescale: error: rank 0: InjectedFault: injected fault at step 2 on rank 0 (traceback in {log})"]
+    assert "Traceback" not in proc.stdout
+    text = log.read_text()
+    assert "[r0/0 step 1] loss" in text and "Traceback (most recent call last)" in text
+    assert "injected fault at step 2" in text

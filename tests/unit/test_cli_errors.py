@@ -43,3 +43,39 @@ def test_config_command_prints_resolved_config_and_keys():
     assert keys.returncode == 0
     assert "data.synthetic.tail_alpha = 1.2" in keys.stdout
     assert "Pareto shape of the tail" in keys.stdout
+
+
+def _bad_ratings(tmp_path):
+    path = tmp_path / "ratings.csv"
+    path.write_text("user,item,rating,timestamp\n1,10,4,100\n1,11,four,101\n2,10,3,102\n")
+    return path
+
+
+def test_malformed_ratings_file_fails_before_a_run_folder_exists(tmp_path):
+    path, run_dir = _bad_ratings(tmp_path), tmp_path / "run"
+    proc = freescale("train", "--config", str(QUICKSTART), "--data.source=ratings", f"--data.ratings.path={path}",
+                     f"--run.dir={run_dir}", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"freescale: error: {path}:3: rating and timestamp must be numbers, got 'four', '101'"]
+    assert not run_dir.exists()
+
+
+def test_calibrate_on_a_malformed_ratings_file_exits_2(tmp_path):
+    path = _bad_ratings(tmp_path)
+    proc = freescale("calibrate", "--config", str(QUICKSTART), "--data.source=ratings", f"--data.ratings.path={path}",
+                     "--out", str(tmp_path / "cost.json"), timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"freescale: error: {path}:3: rating and timestamp must be numbers, got 'four', '101'"]
+
+
+def test_malformed_cost_model_fails_before_a_run_folder_exists(tmp_path):
+    path, run_dir = tmp_path / "cost.json", tmp_path / "run"
+    path.write_text('{"a": 1e-6, "b": "steep"}')
+    proc = freescale("train", "--config", str(QUICKSTART), "--balance.enable=true", f"--balance.cost_model={path}",
+                     f"--run.dir={run_dir}", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert f"freescale: error: {path}: not a cost model" in proc.stderr
+    assert not run_dir.exists()

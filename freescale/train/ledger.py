@@ -1,0 +1,96 @@
+"""The ledger of trained samples: which sample ids each rank trained at each step.
+
+With ``train.ledger: true`` every rank appends one JSON line per step to
+``<run>/ledger/replica<R>-rank<r>.jsonl``: ``{"step", "replica", "rank", "batch",
+"sample_ids"}``. It is the instrument for exactly-once claims: over a run, every sample of
+every global batch trained must appear once across the ranks, however the balancer moved
+it, and across restarts. A launch that resumes from step N rewinds its ledger to N (the
+steps after N are trained again), so the ledger holds each trained step once.
+
+``audit`` is the check, a pure function: given the records and the sample ids each global
+batch holds, it counts samples lost and samples repeated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+
+from freescale.io import rewind_jsonl
+
+LEDGER_DIR = "ledger"
+
+
+def ledger_path(run_dir: str, replica: int, rank: int) -> str:
+    return os.path.join(run_dir, LEDGER_DIR, f"replica{replica}-rank{rank}.jsonl")
+
+
+class Ledger:
+    def __init__(self, run_dir: str, *, replica: int, rank: int, start_step: int) -> None:
+        self.path = ledger_path(run_dir, replica, rank)
+        self.replica = replica
+        self.rank = rank
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        rewind_jsonl(self.path, start_step)
+        self._file = open(self.path, "a")
+
+    def record(self, step: int, batch: int, sample_ids) -> None:
+        """One trained step; flushed at once, so a crash loses no step that completed."""
+        self._file.write(json.dumps({"step": step, "replica": self.replica, "rank": self.rank, "batch": int(batch),
+                                     "sample_ids": [int(i) for i in sample_ids]}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class NullLedger:
+    """The ledger off: nothing is recorded."""
+
+    def record(self, step: int, batch: int, sample_ids) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def build_ledger(enable: bool, run_dir: str, *, replica: int, rank: int, start_step: int):
+    return Ledger(run_dir, replica=replica, rank=rank, start_step=start_step) if enable else NullLedger()
+
+
+def read_ledger(run_dir: str) -> list[dict]:
+    """Every record of every rank's ledger in a run folder."""
+    folder = os.path.join(run_dir, LEDGER_DIR)
+    if not os.path.isdir(folder):
+        raise FileNotFoundError(f"no ledger in {run_dir} (train with train.ledger=true)")
+    records = []
+    for name in sorted(os.listdir(folder)):
+        if name.endswith(".jsonl"):
+            with open(os.path.join(folder, name)) as f:
+                records.extend(json.loads(line) for line in f if line.strip())
+    return records
+
+
+def audit(records: list[dict], expected: dict[int, list[int]]) -> dict:
+    """Samples lost and repeated: ``expected`` maps each global batch to its sample ids.
+
+    A sample is lost when a batch it belongs to is in ``expected`` and no rank trained it;
+    repeated for each time beyond the first that it was trained in that batch (on any rank,
+    at any step). Records of batches not in ``expected`` count as ``unexpected``.
+    """
+    trained: dict[int, Counter] = {}
+    unexpected = 0
+    for r in records:
+        if r["batch"] not in expected:
+            unexpected += len(r["sample_ids"])
+            continue
+        trained.setdefault(r["batch"], Counter()).update(r["sample_ids"])
+    lost = repeated = 0
+    for batch, ids in expected.items():
+        counts = trained.get(batch, Counter())
+        members = set(ids)
+        lost += sum(1 for i in members if counts[i] == 0)
+        repeated += sum(n - 1 for i, n in counts.items() if i in members and n > 1)
+        unexpected += sum(n for i, n in counts.items() if i not in members)
+    return {"samples_lost": lost, "samples_repeated": repeated, "unexpected": unexpected}

@@ -1,0 +1,110 @@
+"""What survives a restart, as ``Stateful`` parts: model, optimizers, trainer counters, the data
+cursor and the RNG.
+
+``TrainingState.parts`` is a dict of parts, each with ``state_dict()`` / ``load_state_dict()``.
+``torch.distributed.checkpoint`` takes that dict as it is (it calls both methods on each part),
+and a live transfer between replicas can take ``TrainingState.state_dict()`` and give it to
+``load_state_dict()`` on the other side. Counters are int64 tensors, not ints: DCP keeps
+tensors in place on both save and load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from freescale.model.sharding import init_dense_state
+
+
+class ModelState:
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+
+    def state_dict(self) -> dict:
+        return self.model.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state)
+
+
+class OptimizerState:
+    """The combined optimizer (fused embedding + dense). Before a load, the dense optimizer's
+    lazy state must exist to be loaded into: ``prepare_load`` makes it (a step with zero
+    gradients, whose effect the load then overwrites)."""
+
+    def __init__(self, optimizer) -> None:
+        self.optimizer = optimizer
+
+    def prepare_load(self) -> None:
+        init_dense_state(self.optimizer)
+
+    def state_dict(self) -> dict:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+class TrainerState:
+    """The number of optimizer steps taken."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict:
+        return {"step": torch.tensor(self.step, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+class DataCursor:
+    """The next global batch to train: the loader resumes there.
+
+    Pipelines and the balancer read batches ahead of training, so the cursor follows the
+    batches *trained* (``advance_past``), not the loader's read position.
+    """
+
+    def __init__(self, loader) -> None:
+        self.loader = loader
+        self.next_batch = loader.next_batch
+
+    def advance_past(self, batch_index: int) -> None:
+        self.next_batch = int(batch_index) + 1
+
+    def state_dict(self) -> dict:
+        return {"next_batch": torch.tensor(self.next_batch, dtype=torch.int64)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.next_batch = int(state["next_batch"])
+        self.loader.load_state_dict({"next_batch": self.next_batch})
+
+
+class RNGState:
+    """This rank's CPU random generator, under a key of its own (ranks draw different streams)."""
+
+    def __init__(self, rank: int) -> None:
+        self.key = f"rank{rank}"
+
+    def state_dict(self) -> dict:
+        return {self.key: torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        torch.set_rng_state(state[self.key])
+
+
+class TrainingState:
+    """The parts by name (``parts``): ``model``, ``optimizer``, ``trainer``, ``data``, ``rng``."""
+
+    def __init__(self, *, model, optimizer, trainer: TrainerState, data: DataCursor, rng: RNGState) -> None:
+        self.parts = {"model": ModelState(model), "optimizer": OptimizerState(optimizer), "trainer": trainer,
+                      "data": data, "rng": rng}
+
+    def prepare_load(self) -> None:
+        self.parts["optimizer"].prepare_load()
+
+    def state_dict(self) -> dict:
+        return {name: part.state_dict() for name, part in self.parts.items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name, part in self.parts.items():
+            part.load_state_dict(state[name])
