@@ -216,17 +216,39 @@ def test_mismatched_splits_fail_on_both_ranks(width):
 
 
 def test_training_through_host_staged_matches_torch_dist(tmp_path):
-    """The balancer's sample exchange through either transport trains to the same losses."""
+    """The balancer's sample exchange through either transport trains to the same losses, and
+    it did move samples: the ledger shows ranks training other than their contiguous slices,
+    each sample of each global batch once."""
+    import numpy as np
+
+    from freescale.config import load_config
+    from freescale.data.loader import build_sources
+    from freescale.train.ledger import audit, read_ledger
     from helpers.launch import FAST, QUICKSTART, check, torchrun, train_losses
 
-    losses = {}
+    args = [*FAST, "--train.steps=5", "--balance.enable=true", "--balance.partition=karmarkar_karp",
+            "--train.ledger=true"]
+    losses, ledgers = {}, {}
     for kind in ("torch_dist", "host_staged"):
         run_dir = tmp_path / kind
-        check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=5", f"--run.dir={run_dir}",
-                       "--balance.enable=true", "--balance.partition=karmarkar_karp", f"--transport.kind={kind}"))
+        check(torchrun(2, "train", "--config", str(QUICKSTART), *args, f"--run.dir={run_dir}",
+                       f"--transport.kind={kind}"))
         losses[kind] = train_losses(run_dir)
+        ledgers[kind] = read_ledger(run_dir)
     assert sorted(losses["host_staged"]) == [1, 2, 3, 4, 5]
     assert losses["host_staged"] == losses["torch_dist"]
+    cfg = load_config(QUICKSTART, args)
+    source, _ = build_sources(cfg.data, cfg.run.seed)
+    batch = cfg.data.batch_size
+    expected = {k: source.samples_at(np.arange(2 * batch * k, 2 * batch * (k + 1))).sample_ids.tolist() for k in range(5)}
+    for kind, records in ledgers.items():
+        assert audit(records, expected) == {"samples_lost": 0, "samples_repeated": 0, "unexpected": 0}, kind
+        moved = [r for r in records if r["sample_ids"] != expected[r["batch"]][r["rank"] * batch:(r["rank"] + 1) * batch]]
+        assert moved, f"{kind}: every rank trained its contiguous slice: nothing was balanced"
+    key = lambda r: (r["step"], r["rank"])  # noqa: E731
+    assert sorted(map(key, ledgers["host_staged"])) == sorted(map(key, ledgers["torch_dist"]))
+    assert ({key(r): r["sample_ids"] for r in ledgers["host_staged"]}
+            == {key(r): r["sample_ids"] for r in ledgers["torch_dist"]})
 
 
 def _pool_reuse(rank, world):

@@ -1,0 +1,34 @@
+"""Every config choice that names an implementation lists exactly its registry's keys."""
+
+import typing
+
+import pytest
+
+from freescale import config
+
+
+def choices(section: type, field: str) -> set[str]:
+    hint = typing.get_type_hints(section)[field]
+    return set(typing.get_args(hint))
+
+
+def registries():
+    from freescale.balance.partition import PARTITIONS
+    from freescale.model.sharding import DENSE_OPTIMIZERS, EMBEDDING_OPTIMIZERS, SHARDING_TYPES
+    from freescale.train.pipelines import PIPELINES
+    from freescale.transport.registry import TRANSPORTS
+
+    return [
+        (config.TransportConfig, "kind", set(TRANSPORTS)),
+        (config.BalanceConfig, "partition", set(PARTITIONS)),
+        (config.TrainConfig, "pipeline", set(PIPELINES)),
+        (config.TrainConfig, "optimizer", set(DENSE_OPTIMIZERS)),
+        (config.EmbeddingConfig, "optimizer", set(EMBEDDING_OPTIMIZERS)),
+        (config.EmbeddingConfig, "sharding", set(SHARDING_TYPES) | {"auto"}),
+    ]
+
+
+@pytest.mark.parametrize("index", range(6))
+def test_config_choices_equal_registry_keys(index):
+    section, field, keys = registries()[index]
+    assert choices(section, field) == keys, f"{section.__name__}.{field}"
