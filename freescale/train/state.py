@@ -100,11 +100,15 @@ class TrainingState:
                       "data": data, "rng": rng}
 
     def prepare_load(self) -> None:
+        """Make the state that is created lazily, so that a load has somewhere to go (DCP loads
+        in place into what ``state_dict()`` returns)."""
         self.parts["optimizer"].prepare_load()
 
     def state_dict(self) -> dict:
         return {name: part.state_dict() for name, part in self.parts.items()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Take ``state`` (another replica's ``state_dict()``), into a freshly built state too."""
+        self.prepare_load()  # whatever it changes, the parts loaded below overwrite
         for name, part in self.parts.items():
             part.load_state_dict(state[name])
