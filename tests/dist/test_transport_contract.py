@@ -157,6 +157,33 @@ def test_abort_fails_every_pending_collective_at_once(kind):
     run_ranks(2, _abort, kind)
 
 
+def _failed_after_sending(rank, world):
+    t = _build("host_staged", dist.new_group(), timeout_s=30)
+    t.all_gather(torch.tensor([rank])).wait()
+    if rank == 0:
+        sent = t.all_to_all_single(torch.zeros(8), [4, 4], [4, 4])
+        time.sleep(0.1)  # the proxy has written this rank's part into rank 1's ring
+    dist.barrier()
+    if rank == 1:  # rank 0's part has arrived, announced, before this rank starts the collective
+        t.wire.wait(0.0)
+        assert t.wire.posted and t.wire.peers[0].failed is None
+    dist.barrier()
+    if rank == 0:  # ... and then rank 0 fails it, having never received rank 1's part
+        t.abort("replica 1 left the quorum")
+        with pytest.raises(TransportError, match="replica 1 left the quorum"):
+            sent.wait()
+    dist.barrier()
+    if rank == 1:  # its exchange completes at its first step; it must still fail
+        with pytest.raises(TransportError, match="rank 0 failed this collective"):
+            t.all_to_all_single(torch.zeros(8), [4, 4], [4, 4]).wait()
+    t.close()
+
+
+def test_a_collective_that_a_peer_failed_after_sending_fails_here_too():
+    """Both ranks must agree that it failed, however much of it had arrived."""
+    run_ranks(2, _failed_after_sending)
+
+
 def _closed_peer(rank, world):
     t = _build("host_staged", timeout_s=30)
     t.all_gather(torch.tensor([rank])).wait()

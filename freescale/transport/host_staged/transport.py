@@ -13,7 +13,9 @@ Whoever runs it posts the transfers with other hosts (``remote``), moves the loc
 (``local.LocalExchange``), sleeping on the wire between steps, and waits for the other
 hosts. A peer whose connection ends, a peer whose process is gone, or no progress for
 ``timeout_s`` fails the collective; ``wait()`` raises ``TransportError`` naming the
-operation, the peer and the cause, and the peers are told.
+operation, the peer and the cause, and the peers are told. A rank whose exchange completes
+after a peer reported that collective failed fails it too: the peer may have sent its part
+before it failed, but never received this rank's, and the ranks must agree.
 """
 
 from __future__ import annotations
@@ -263,6 +265,10 @@ class HostStagedTransport:
         while True:
             progressed = exchange.step()
             if exchange.done:
+                # A peer that failed this collective may have sent its part before it failed:
+                # fail here too (as far as this rank has heard), so the ranks agree.
+                self.wire.wait(0.0)
+                self.wire.check_reports(self.wire.peers, op.key)
                 break
             if op.handle.done.is_set():  # aborted
                 raise RuntimeError(self.scheduler.failed or "aborted")

@@ -159,17 +159,18 @@ class Wire:
         """Sleep until a peer says something (or ``timeout``), and file what it said.
 
         Polls for ``spin_s`` first: waking a sleeping thread costs tens of microseconds or
-        more, the order of a whole small collective.
+        more, the order of a whole small collective. ``timeout`` 0 files what has arrived
+        without waiting.
         """
         socks = [p.sock for p in self.peers.values() if not p.gone]
         socks.append(self._interrupt_r)
         readable, _, _ = select.select(socks, [], [], 0)
-        if not readable and self.spin_s:
+        if not readable and self.spin_s and timeout > 0:
             until = time.perf_counter() + min(self.spin_s, timeout)
             while not readable and time.perf_counter() < until:
                 os.sched_yield()
                 readable, _, _ = select.select(socks, [], [], 0)
-        if not readable:
+        if not readable and timeout > 0:
             readable, _, _ = select.select(socks, [], [], timeout)
         for sock in readable:
             peer = self._by_socket.get(sock)
@@ -208,17 +209,24 @@ class Wire:
     def check(self, ranks, key: OpKey, pids: bool) -> None:
         """Raise ``PeerError`` if a peer in ``ranks`` failed collective ``key`` (or one before
         it), closed its end, or exited (``pids``: also look at its process)."""
+        self.check_reports(ranks, key)
         for r in ranks:
             p = self.peers[r]
-            if p.failed is not None and (p.failed.lane != key.lane or p.failed.seq <= key.seq):
-                which = "this" if p.failed == key else "an earlier"
-                raise PeerError(f"rank {r} failed {which} collective (its own error says why)")
             if p.gone:
                 if exits_within(p.pid, 0.2):
                     raise PeerError(f"peer rank {r} (pid {p.pid}) died ({p.gone})")
                 raise PeerError(f"peer rank {r} (pid {p.pid}) closed its transport")
             if pids and not alive(p.pid):
                 raise PeerError(f"peer rank {r} (pid {p.pid}) died")
+
+    def check_reports(self, ranks, key: OpKey) -> None:
+        """Raise ``PeerError`` if a peer in ``ranks`` reported collective ``key`` (or one before
+        it) as failed."""
+        for r in ranks:
+            failed = self.peers[r].failed
+            if failed is not None and (failed.lane != key.lane or failed.seq <= key.seq):
+                which = "this" if failed == key else "an earlier"
+                raise PeerError(f"rank {r} failed {which} collective (its own error says why)")
 
     def interrupt(self) -> None:
         try:
