@@ -17,6 +17,8 @@ import json
 import os
 from collections import Counter
 
+import torch
+
 from freescale.io import rewind_jsonl
 
 LEDGER_DIR = "ledger"
@@ -35,10 +37,10 @@ class Ledger:
         rewind_jsonl(self.path, start_step)
         self._file = open(self.path, "a")
 
-    def record(self, step: int, batch: int, sample_ids) -> None:
+    def record(self, step: int, batch: int, sample_ids: torch.Tensor) -> None:
         """One trained step; flushed at once, so a crash loses no step that completed."""
         self._file.write(json.dumps({"step": step, "replica": self.replica, "rank": self.rank, "batch": int(batch),
-                                     "sample_ids": [int(i) for i in sample_ids]}) + "\n")
+                                     "sample_ids": sample_ids.tolist()}) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -178,8 +178,9 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         trainer.step += 1
         timeline.end_step(trainer.step, out)
         collector.step(trainer.step)
-        cursor.advance_past(out.batch_index.item())
-        ledger.record(trainer.step, out.batch_index.item(), out.sample_ids.tolist())
+        batch_index = out.batch_index.item()
+        cursor.advance_past(batch_index)
+        ledger.record(trainer.step, batch_index, out.sample_ids)
         window.add(out.loss, len(out.sample_ids))
         if _due(trainer.step, cfg.run.log_every, cfg.train.steps):
             window = _log_progress(trainer.step, window, metrics, log, group)
