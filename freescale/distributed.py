@@ -12,8 +12,9 @@ test), the world is not one replica. Ranks in a ``Topology`` are ranks within th
 from __future__ import annotations
 
 import datetime
-import time
+import gc
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -105,6 +106,13 @@ def new_group_like(group: dist.ProcessGroup) -> dist.ProcessGroup:
 
 
 def shutdown() -> None:
+    """Destroy the process groups, after collecting what reference cycles still hold of them.
+
+    gloo's worker threads live as long as their group; one that drops its last work while the
+    interpreter finalizes needs the GIL and aborts the process. Collecting first lets the
+    groups and their works go while Python still runs.
+    """
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
