@@ -46,6 +46,11 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--config", required=True, help="experiment YAML file (the model to measure)")
     cal.add_argument("--out", default="", help="where to write the cost model JSON (default: <run.out_dir>/cost_model-<run.name>.json)")
     cal.add_argument("--repeats", type=int, default=5, help="timed repetitions per grid point")
+    ver = sub.add_parser("verify", help="train the same data with the prioritized pipeline and with synchronous "
+                         "updates; exit 0 only if every step and all state are bitwise equal",
+                         epilog="Any config key can be overridden as --section.key=value. Runs standalone or under torchrun.")
+    ver.add_argument("--config", required=True, help="experiment YAML file")
+    ver.add_argument("--steps", type=int, default=20, help="steps to train each way (default 20)")
     show = sub.add_parser("config", help="print the resolved config (or every key with its docs)")
     show.add_argument("--config", help="experiment YAML file")
     show.add_argument("--keys", action="store_true", help="list every key with its default and description")
@@ -178,6 +183,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "calibrate":
         _calibrate(args, cfg)
         return
+    if args.command == "verify":
+        _verify(args, cfg)
+        return
     if args.command == "config":
         if args.keys:
             for key, value, doc in describe(cfg):
@@ -187,6 +195,25 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     _train(cfg)
+
+
+def _verify(args, cfg) -> None:
+    from freescale import distributed
+    from freescale.balance.cost import CostModelError
+    from freescale.data.readers import DataError
+    from freescale.embedding.verify import print_verdict, verify
+
+    if args.steps < 2:
+        _fail(f"--steps: expected at least 2 (the pipeline overlaps consecutive steps), got {args.steps}")
+    try:
+        verdict = verify(cfg, args.steps)
+    except (DataError, CostModelError) as e:
+        _fail(str(e))
+    main_rank = int(os.environ.get("RANK", 0)) == 0
+    distributed.shutdown()
+    if main_rank:
+        print_verdict(verdict)
+    sys.exit(0 if verdict.identical else EXIT_FAILED)
 
 
 def _train(cfg) -> None:

@@ -97,6 +97,10 @@ class SyntheticDataConfig:
     """Scale (smallest length) of the Pareto tail."""
     tail_alpha: Annotated[float, Range(min=0.1)] = 1.2
     """Pareto shape of the tail; smaller is heavier."""
+    hot_items: Annotated[int, NonNegative] = 0
+    """Items every batch may share (the first of each cluster); 0 = none."""
+    hot_prob: Annotated[float, Probability] = 0.0
+    """Probability that an event's item is a hot one: with a large num_items, the knob for the share of rows consecutive batches have in common (their collision rate)."""
 
 
 @dataclass
@@ -132,11 +136,13 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     embedding_dim: Annotated[int, Range(min=2)] = 32
-    """Width of item embeddings and of the transformer."""
+    """Width of the embedding rows (what the embedding all-to-alls move)."""
+    d_model: Annotated[int, NonNegative] = 0
+    """Width of the transformer; embeddings are projected to it when it differs (0 = embedding_dim)."""
     num_layers: Annotated[int, NonNegative] = 2
     """Transformer encoder layers over the UIH."""
     num_heads: Annotated[int, Positive] = 2
-    """Attention heads; must divide embedding_dim."""
+    """Attention heads; must divide the model width (d_model, or embedding_dim)."""
     ffn_mult: Annotated[int, Positive] = 2
     """Feed-forward width as a multiple of embedding_dim."""
     mlp_dims: list[int] = field(default_factory=lambda: [64, 32])
@@ -165,8 +171,8 @@ class EmbeddingConfig:
 class TrainConfig:
     steps: Annotated[int, Positive] = 200
     """Total optimizer steps (a resumed run continues up to this count)."""
-    pipeline: Literal["sparse_dist", "base"] = "sparse_dist"
-    """Training pipeline: TorchRec TrainPipelineSparseDist (baseline) or the unpipelined base."""
+    pipeline: Literal["sparse_dist", "base", "prioritized", "sync"] = "sparse_dist"
+    """Training pipeline: TorchRec TrainPipelineSparseDist (baseline), TorchRec's unpipelined base, prioritized (FreeScale's own embedding tables, collision rows first, exclusive rows early) or sync (the same tables, synchronous updates: the reference)."""
     optimizer: Literal["adam", "adagrad", "sgd"] = "adam"
     """Dense optimizer."""
     lr: Annotated[float, Range(min=0.0)] = 0.001
@@ -482,10 +488,9 @@ def _coerce(tp: Any, value: Any, dotted: str) -> Any:
 
 def _check_cross_fields(cfg: ExperimentConfig) -> None:
     m, d = cfg.model, cfg.data
-    if m.embedding_dim % m.num_heads:
-        raise ConfigError(
-            f"model.num_heads: expected a divisor of model.embedding_dim ({m.embedding_dim}), got {m.num_heads}"
-        )
+    width, width_key = (m.d_model, "model.d_model") if m.d_model else (m.embedding_dim, "model.embedding_dim")
+    if width % m.num_heads:
+        raise ConfigError(f"model.num_heads: expected a divisor of {width_key} ({width}), got {m.num_heads}")
     if d.min_uih_len > d.max_uih_len:
         raise ConfigError(f"data.min_uih_len: expected <= data.max_uih_len ({d.max_uih_len}), got {d.min_uih_len}")
     if any(w < 1 for w in m.mlp_dims):

@@ -9,6 +9,9 @@ The generative story, which plants a signal a sequence model can learn:
 - each user prefers ``clusters_per_user`` clusters (a hash of the user id);
 - a history of length ``L`` draws each event from a preferred cluster with probability
   ``affinity``, else from any cluster;
+- an item is drawn uniformly within its cluster, or with probability ``hot_prob`` from the
+  cluster's few hot items (``hot_items`` in all): consecutive batches share the hot rows and
+  hardly any other (with a large ``num_items``), which sets their collision rate;
 - ``L`` follows a lognormal body with a Pareto tail, clipped to ``[min_uih_len, max_uih_len]``;
 - half the candidates come from preferred clusters; a candidate is clicked with probability
   ``sigmoid(base_logit + preference_logit * [cluster preferred] + quality(item))``, where
@@ -113,12 +116,12 @@ class SyntheticSource:
         lengths = sample_uih_lengths(cfg, n, self.min_uih_len, self.max_uih_len, rng)
         owner = np.repeat(np.arange(n), lengths)
         uih_clusters = self._draw_clusters(rng, prefs, owner, cfg.affinity)
-        uih = uih_clusters + cfg.num_clusters * rng.integers(0, per_cluster, len(owner))
+        uih = uih_clusters + cfg.num_clusters * self._draw_within(rng, per_cluster, len(owner))
 
         counts = np.full(n, self.num_candidates, dtype=np.int64)
         cand_owner = np.repeat(np.arange(n), counts)
         cand_clusters = self._draw_clusters(rng, prefs, cand_owner, 0.5)
-        cands = cand_clusters + cfg.num_clusters * rng.integers(0, per_cluster, len(cand_owner))
+        cands = cand_clusters + cfg.num_clusters * self._draw_within(rng, per_cluster, len(cand_owner))
         preferred = (prefs[cand_owner] == cand_clusters[:, None]).any(axis=1)
         logit = cfg.base_logit + cfg.preference_logit * preferred + self.item_quality(cands)
         labels = (rng.random(len(cand_owner)) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
@@ -135,6 +138,17 @@ class SyntheticSource:
             cand_values=cands.astype(np.int64),
             labels=labels,
         )
+
+    def _draw_within(self, rng: np.random.Generator, per_cluster: int, n: int) -> np.ndarray:
+        """Each item's index within its cluster: uniform, or with probability ``hot_prob`` one of
+        the cluster's first ``hot_items / num_clusters`` (the rows every batch shares)."""
+        within = rng.integers(0, per_cluster, n)
+        cfg = self.cfg
+        if cfg.hot_prob > 0 and cfg.hot_items > 0:
+            hot = rng.random(n) < cfg.hot_prob
+            hot_per_cluster = max(1, min(per_cluster, -(-cfg.hot_items // cfg.num_clusters)))
+            within = np.where(hot, rng.integers(0, hot_per_cluster, n), within)
+        return within
 
     def _draw_clusters(self, rng: np.random.Generator, prefs: np.ndarray, owner: np.ndarray, p_pref: float) -> np.ndarray:
         from_pref = rng.random(len(owner)) < p_pref

@@ -64,8 +64,10 @@ class SeqRecTask(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_uih_len: int) -> None:
         super().__init__()
-        dim = cfg.embedding_dim
+        dim = cfg.d_model or cfg.embedding_dim
         self.cfg = cfg
+        # Wide embedding rows projected down to the model's width (as production sequence models do).
+        self.project = nn.Linear(cfg.embedding_dim, dim) if dim != cfg.embedding_dim else None
         self.positions = nn.Embedding(max_uih_len, dim)
         self.layers = nn.ModuleList(EncoderLayer(dim, cfg.num_heads, cfg.ffn_mult) for _ in range(cfg.num_layers))
         self.norm = nn.LayerNorm(dim)
@@ -91,6 +93,10 @@ class SeqRecTask(nn.Module):
     ):
         uih = seq[UIH_FEATURE].values()
         cand = seq[CANDIDATE_FEATURE].values()
+        user_rows = user[USER_FEATURE] if user is not None else None
+        if self.project is not None:
+            uih, cand = self.project(uih), self.project(cand)
+            user_rows = self.project(user_rows) if user_rows is not None else None
         self_layout = JaggedLayout(uih_lengths, uih_lengths, self.cfg.attention_padding)
         target_layout = JaggedLayout(uih_lengths, cand_counts, self.cfg.attention_padding)
 
@@ -105,8 +111,8 @@ class SeqRecTask(nn.Module):
         k, v = self.target_kv(x).chunk(2, dim=-1)
         attended = target_layout.attend(self.target_q(cand), k, v, self.cfg.num_heads)
         features = [cand, attended, cand * attended]
-        if user is not None:
-            features.append(torch.repeat_interleave(user[USER_FEATURE], cand_counts, dim=0))
+        if user_rows is not None:
+            features.append(torch.repeat_interleave(user_rows, cand_counts, dim=0))
         logits = self.head(torch.cat(features, dim=-1)).squeeze(-1)
         loss = F.binary_cross_entropy_with_logits(logits, labels) * loss_scale
         return loss, StepOutput(loss.detach(), logits.detach(), labels, sample_ids, uih_lengths, batch_index)

@@ -87,6 +87,14 @@ def build_optimizer(model: DistributedModelParallel, cfg: TrainConfig) -> Combin
     return CombinedOptimizer([model.fused_optimizer, dense])
 
 
+def build_dense_optimizer(module: nn.Module, cfg: TrainConfig) -> CombinedOptimizer:
+    """The dense optimizer over ``module``'s parameters alone (the embedding tables fuse their own)."""
+    dense_cls = DENSE_OPTIMIZERS[cfg.optimizer]
+    dense = KeyedOptimizerWrapper(dict(module.named_parameters()),
+                                  lambda params: dense_cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay))
+    return CombinedOptimizer([dense])
+
+
 def init_dense_state(optimizer: CombinedOptimizer) -> None:
     """Materialize the dense optimizer's lazy state so a checkpoint can be loaded into it."""
     for _, opt in optimizer.optimizers:

@@ -8,7 +8,10 @@ thread spent in the step, and spans of the phases the trainer can see:
 - ``forward``, ``backward``, ``optimizer``: the model's phases (backward runs from the end of
   forward to the optimizer step, so it includes gradient reduction);
 - ``input_dist``: TorchRec's id all-to-all for the next batch (sparse-dist pipeline);
-- ``injected_delay``: straggler injection, inside forward.
+- ``injected_delay``: straggler injection, inside forward;
+- ``id_wait``, ``flags_wait``, ``exclusive_wait``, ``collision_wait``: the waits of the
+  pipelines over FreeScale's own tables (``freescale.embedding.pipeline``), which also note
+  each step's ``collision_rows`` and ``read_rows`` (summed over the rank's owned rows).
 
 Compute is measured, not inferred from spans: on CPU a rank's kernels run on its main thread
 (``run.threads: 1``, what torchrun gives each rank by default) and a rank blocked in a gloo
@@ -66,6 +69,7 @@ class StepTimeline:
             self._torch_profiler.__enter__()
         self._spans = []
         self._open = {}
+        self._notes = {}
         self._data_cpu = 0.0
         self._in_step = True
         self._cpu0 = time.thread_time()
@@ -78,7 +82,7 @@ class StepTimeline:
         self._write({
             "step": step, "start": self._start, "end": end, "cpu": cpu, "data_cpu": self._data_cpu,
             "spans": self._spans, "samples": int(output.sample_ids.numel()),
-            "uih_tokens": int(output.uih_lengths.sum()),
+            "uih_tokens": int(output.uih_lengths.sum()), **self._notes,
         })
         if self._torch_profiler is not None and step == self._trace_steps[1]:
             self._torch_profiler.__exit__(None, None, None)
@@ -90,6 +94,11 @@ class StepTimeline:
     def open(self, kind: str) -> None:
         if self._in_step:
             self._open[kind] = self.now()
+
+    def note(self, key: str, value) -> None:
+        """Add ``key`` to this step's record (summed if noted again in the step)."""
+        if self._in_step:
+            self._notes[key] = self._notes.get(key, 0) + value
 
     def close(self, kind: str) -> None:
         start = self._open.pop(kind, None)
@@ -143,6 +152,9 @@ class NullTimeline:
 
     def span(self, kind: str):
         return nullcontext()
+
+    def note(self, key: str, value) -> None:
+        pass
 
     def timed_batches(self, batches: Iterator) -> Iterator:
         return batches

@@ -4,8 +4,10 @@
   i+1's input distribution (the id all-to-all) while batch i computes, then blocks on the
   embedding all-to-alls inside forward and backward.
 - ``base``: TorchRec's ``TrainPipelineBase``: no overlap, the synchronous reference.
+- ``prioritized`` and ``sync``: FreeScale's own row-wise sharded tables with the embedding
+  exchanges ordered by priority, or synchronous (``freescale.embedding.pipeline``).
 
-Both take ``progress(iterator)`` and return the model's output for the batch they trained.
+All take ``progress(iterator)`` and return the model's output for the batch they trained.
 Evaluation runs the plain model: the forwards a pipeline rewrote are swapped back for it, and
 the in-flight batches are untouched.
 """
@@ -28,6 +30,12 @@ class Pipeline:
 
     def progress(self, batches: Iterator):
         return self.inner.progress(batches)
+
+    def drain(self) -> None:
+        """Nothing is deferred past a step in TorchRec's pipelines."""
+
+    def close(self) -> None:
+        pass
 
     @contextmanager
     def evaluating(self):
@@ -94,9 +102,45 @@ def _base(model, optimizer, device, timeline) -> TrainPipelineBase:
     return TrainPipelineBase(model, optimizer, device)
 
 
-PIPELINES: dict[str, Callable] = {"sparse_dist": _sparse_dist, "base": _base}
+class _Owned:
+    """The pipelines over FreeScale's own tables, with a transport of their own (two lanes)."""
+
+    def __init__(self, prioritized: bool) -> None:
+        self.prioritized = prioritized
+
+    def __call__(self, model, optimizer, device, timeline, *, group, transport_cfg):
+        from freescale.distributed import new_group_like
+        from freescale.embedding.pipeline import EmbeddingPipeline
+        from freescale.transport.registry import build_transport
+
+        transport = build_transport(transport_cfg, new_group_like(group), lanes=2)
+        return OwnedPipeline(EmbeddingPipeline(model, optimizer, transport, group, timeline,
+                                               prioritized=self.prioritized), transport)
 
 
-def build_pipeline(name: str, model: torch.nn.Module, optimizer, device: torch.device, timeline) -> Pipeline:
+class OwnedPipeline:
+    """An ``EmbeddingPipeline`` and the transport it closes."""
+
+    def __init__(self, inner, transport) -> None:
+        self.inner = inner
+        self.transport = transport
+        self.progress = inner.progress
+        self.drain = inner.drain
+        self.evaluating = inner.evaluating
+
+    def close(self) -> None:
+        self.inner.drain = lambda: None  # a failed exchange is not waited for again
+        self.transport.close()
+
+
+PIPELINES: dict[str, Callable] = {"sparse_dist": _sparse_dist, "base": _base,
+                                  "prioritized": _Owned(prioritized=True), "sync": _Owned(prioritized=False)}
+OWNED_PIPELINES = frozenset({"prioritized", "sync"})
+
+
+def build_pipeline(name: str, model: torch.nn.Module, optimizer, device: torch.device, timeline, *,
+                   group=None, transport_cfg=None):
     """The named pipeline; ``timeline`` receives its phase spans (a NullTimeline when not profiling)."""
+    if name in OWNED_PIPELINES:
+        return PIPELINES[name](model, optimizer, device, timeline, group=group, transport_cfg=transport_cfg)
     return Pipeline(PIPELINES[name](model, optimizer, device, timeline), model)

@@ -38,14 +38,15 @@ from freescale.faults import build_faults
 from freescale.io import rewind_jsonl, write_json_atomic
 from freescale.logging import log_file_path, log_to_file, setup_logging
 from freescale.model.seqrec import SeqRecModel
-from freescale.model.sharding import build_optimizer, shard_model
+from freescale.embedding.pipeline import build_owned_model
+from freescale.model.sharding import build_dense_optimizer, build_optimizer, shard_model
 from freescale.profile.report import write_report
 from freescale.profile.straggler import inject_delay
 from freescale.profile.timeline import build_timeline, instrument_phases
 from freescale.train.checkpoint import Checkpointer, resolve_checkpoint, run_dir_of
 from freescale.train.ledger import build_ledger
 from freescale.train.metrics import MetricsLog, auc, log_loss, normalized_entropy, read_metrics
-from freescale.train.pipelines import Pipeline, build_pipeline
+from freescale.train.pipelines import OWNED_PIPELINES, Pipeline, build_pipeline
 from freescale.train.state import DataCursor, RNGState, TrainerState, TrainingState
 
 
@@ -127,12 +128,19 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     held_out = eval_batches(inputs.eval_source, num_samples=cfg.data.eval_samples, batch_size=cfg.data.batch_size,
                             rank=topo.rank, world_size=topo.world_size, user_hash_size=cfg.model.user_hash_size)
 
-    # Model: built on the meta device, embedding tables sharded and materialized by DMP.
+    # Model: TorchRec's (built on the meta device, embedding tables sharded and materialized by
+    # DMP), or FreeScale's own tables for the pipelines that order the embedding exchanges.
     torch.manual_seed(cfg.run.seed)
-    model = SeqRecModel(cfg.model, cfg.embedding, num_items=inputs.train_source.num_items,
-                        max_uih_len=cfg.data.max_uih_len, device=torch.device("meta"))
-    model = shard_model(model, cfg.embedding, topo, device)
-    optimizer = build_optimizer(model, cfg.train)
+    owned = cfg.train.pipeline in OWNED_PIPELINES
+    if owned:
+        model = build_owned_model(cfg, num_items=inputs.train_source.num_items, max_uih_len=cfg.data.max_uih_len,
+                                  topology=topo, seed=cfg.run.seed)
+        optimizer = build_dense_optimizer(model.task, cfg.train)
+    else:
+        model = SeqRecModel(cfg.model, cfg.embedding, num_items=inputs.train_source.num_items,
+                            max_uih_len=cfg.data.max_uih_len, device=torch.device("meta"))
+        model = shard_model(model, cfg.embedding, topo, device)
+        optimizer = build_optimizer(model, cfg.train)
 
     # State that survives a restart; resume it from the checkpoint, and rewind the logs to it.
     trainer = TrainerState()
@@ -152,8 +160,10 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     timeline = build_timeline(cfg.profile, run_dir, rank=topo.rank, world_size=topo.world_size, threads=threads,
                               device_type=device.type, group=group)
     closing.callback(timeline.finish)
-    inject_delay(model, timeline, rank=topo.rank, ranks=cfg.profile.delay_ranks, delay_ms=cfg.profile.delay_ms)
-    instrument_phases(timeline, model, optimizer)
+    inject_delay(model.task if owned else model, timeline, rank=topo.rank, ranks=cfg.profile.delay_ranks,
+                 delay_ms=cfg.profile.delay_ms)
+    if not owned:
+        instrument_phases(timeline, model, optimizer)  # the owned pipelines mark their phases themselves
 
     # Balancer: every global batch re-partitioned by cost (a NullBalancer keeps contiguous slices).
     balancer = build_balancer(cfg.balance, cfg.transport, inputs.cost_model, group=group,
@@ -167,7 +177,9 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     faults = build_faults(cfg.fault, topo.rank)
     collector = GarbageCollector(cfg.train.gc_every)
     closing.callback(collector.close)
-    pipeline = build_pipeline(cfg.train.pipeline, model, optimizer, device, timeline)
+    pipeline = build_pipeline(cfg.train.pipeline, model, optimizer, device, timeline, group=group,
+                              transport_cfg=cfg.transport)
+    closing.callback(pipeline.close)
     batches = timeline.timed_batches(balancer.batches(loader.iter_samples()))
     window = StepWindow()
     started = time.perf_counter()
@@ -187,8 +199,10 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         if held_out and _due(trainer.step, cfg.train.eval_every, cfg.train.steps):
             metrics.write({"step": trainer.step, **_evaluate(pipeline, held_out, log, trainer.step, group)})
         if _due(trainer.step, cfg.checkpoint.every, cfg.train.steps if cfg.checkpoint.at_end else 0):
+            pipeline.drain()  # every update the trained batches owe is in the tables
             log.info(f"checkpoint {checkpointer.save(trainer.step, state)}", extra={"step": trainer.step})
 
+    pipeline.drain()
     # Summary and the bubble report.
     summary = {
         "run_dir": run_dir,

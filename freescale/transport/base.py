@@ -6,6 +6,11 @@ Both are asynchronous: they return a ``Handle`` whose ``wait()`` returns the res
 raises ``TransportError`` if the collective failed (a peer died, the timeout passed, the
 transport was aborted or closed).
 
+Collectives run per *lane* in the order they are issued, the same order on every rank; a
+transport built with two lanes (``lanes=2``) lets a ``HIGH`` collective pass the ``NORMAL``
+ones already queued or in flight (``torch_dist``: one process group per lane; ``host_staged``:
+a queue and rings per lane, stepped by one proxy, the high lane first).
+
 Splits and sizes count rows along dimension 0; every rank must pass the same ``sizes`` to
 ``all_gather`` and matching splits to ``all_to_all_single`` (rank i's input split j is rank
 j's output split i). Before any byte moves, a transport checks what it can see on its own
@@ -33,6 +38,11 @@ class TransportError(RuntimeError):
     """A collective that did not complete, or was refused; the message names the operation and the cause."""
 
 
+NORMAL = 0
+"""The lane every collective takes unless told otherwise."""
+HIGH = 1
+"""The priority lane: a collective on it does not queue behind the normal lane's."""
+
 SUPPORTED_DTYPES = frozenset({
     torch.float16, torch.bfloat16, torch.float32, torch.float64,
     torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
@@ -49,7 +59,7 @@ class Transport(Protocol):
     world_size: int
 
     def all_to_all_single(self, tensor: torch.Tensor, input_splits: Sequence[int],
-                          output_splits: Sequence[int]) -> Handle: ...
+                          output_splits: Sequence[int], lane: int = NORMAL) -> Handle: ...
 
     def all_gather(self, tensor: torch.Tensor, sizes: Sequence[int] | None = None) -> Handle: ...
 
@@ -89,6 +99,14 @@ def check_all_gather(name: str, rank: int, world_size: int, tensor, sizes) -> tu
     if sizes[rank] != tensor.shape[0]:
         raise _error(op, f"sizes[{rank}] = {sizes[rank]} but the tensor has {tensor.shape[0]} rows")
     return tensor, sizes
+
+
+def check_lane(name: str, lane: int, lanes: int) -> int:
+    """``lane`` if this transport has it, else ``TransportError``."""
+    if lane not in range(lanes):
+        raise TransportError(f"{name}: lane {lane} does not exist (this transport has {lanes}: "
+                             f"build it with lanes=2 for a priority lane)")
+    return lane
 
 
 def _check_tensor(op: tuple, tensor) -> torch.Tensor:

@@ -16,8 +16,9 @@ TRANSPORTS: dict[str, Callable[..., Transport]] = {
 }
 
 
-def build_transport(cfg, group: dist.ProcessGroup | None = None) -> Transport:
-    """The transport ``cfg.kind`` (a TransportConfig) over ``group`` (default: the world)."""
+def build_transport(cfg, group: dist.ProcessGroup | None = None, lanes: int = 1) -> Transport:
+    """The transport ``cfg.kind`` (a TransportConfig) over ``group`` (default: the world), with
+    ``lanes`` lanes (2: a priority lane besides the normal one)."""
     if cfg.kind not in TRANSPORTS:
         raise ValueError(f"unknown transport {cfg.kind!r}; expected one of {sorted(TRANSPORTS)}")
-    return TRANSPORTS[cfg.kind](group, cfg)
+    return TRANSPORTS[cfg.kind](group, cfg, lanes=lanes)

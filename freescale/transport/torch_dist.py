@@ -17,7 +17,8 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from freescale.transport.base import TransportError, check_all_gather, check_all_to_all
+from freescale.distributed import new_group_like
+from freescale.transport.base import NORMAL, TransportError, check_all_gather, check_all_to_all, check_lane
 
 _SLICE = datetime.timedelta(milliseconds=10)  # how long a waiter waits before it looks at the latch again
 
@@ -60,20 +61,24 @@ class _WorkHandle:
 class TorchDistTransport:
     name = "torch_dist"
 
-    def __init__(self, group: dist.ProcessGroup | None = None, cfg=None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, cfg=None, lanes: int = 1) -> None:
         self.group = group or dist.group.WORLD
+        # One process group per lane: gloo (and NCCL) run a group's collectives in issue order,
+        # so a lane of its own is what lets a high-priority collective pass.
+        self.lanes = [self.group] + [new_group_like(self.group) for _ in range(lanes - 1)]
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._lock = threading.Lock()
         self._pending: weakref.WeakSet[_WorkHandle] = weakref.WeakSet()  # issued, not yet waited for
         self._cause: str | None = None  # why the transport failed, once it has
 
-    def all_to_all_single(self, tensor: torch.Tensor, input_splits, output_splits):
+    def all_to_all_single(self, tensor: torch.Tensor, input_splits, output_splits, lane: int = NORMAL):
         tensor, ins, outs = check_all_to_all(self.name, self.rank, self.world_size, tensor, input_splits, output_splits)
+        group = self.lanes[check_lane(self.name, lane, len(self.lanes))]
         self._refuse_if_failed("all_to_all_single")
         out = tensor.new_empty((sum(outs), *tensor.shape[1:]))
         work = dist.all_to_all_single(out, tensor, output_split_sizes=outs, input_split_sizes=ins,
-                                      group=self.group, async_op=True)
+                                      group=group, async_op=True)
         return self._track(_WorkHandle(self, "all_to_all_single", work, lambda: out))
 
     def all_gather(self, tensor: torch.Tensor, sizes=None):

@@ -15,9 +15,11 @@ refused with the cause, since the peers' state is unknown. ``abort(cause)`` (any
 latches too and fails every pending collective at once, the running one included: its
 waiter returns now, while the thread running it stops at its next look at the latch.
 
-Only lane 0 exists today; a collective's ``OpKey`` (lane, sequence) already names it on the
-wire, so a priority lane is a second queue here and a second set of rings, not a new
-protocol.
+Lanes: each lane has its own sequence (a collective's ``OpKey`` is (lane, sequence), on the
+wire too) and its own rings. The queue runs the highest lane's first collective first, and a
+collective running on a lower lane takes a higher lane's collective issued meanwhile along
+(``take_passing``): its runner starts it and steps both exchanges, the higher lane first, so
+a small high-priority collective does not wait for a large normal one to finish.
 """
 
 from __future__ import annotations
@@ -101,7 +103,9 @@ class Scheduler:
         self._on_failure = on_failure
         self._queue: collections.deque[Op] = collections.deque()
         self._running: Op | None = None
-        self._sequence = itertools.count()
+        self._sequence: dict[int, itertools.count] = collections.defaultdict(itertools.count)  # per lane
+        self._passing: list[Op] = []  # higher-lane collectives a running one took along, not yet settled
+        self.nudge: Callable[[], None] | None = None  # tells a running collective that one may pass it
         self._lock = threading.Lock()  # the queue, the running op and the alarm change together
         self._exec = threading.Lock()  # held by whichever thread runs collectives (proxy or a waiter)
         self.failed: str | None = None  # the latch: why collectives are refused
@@ -114,7 +118,7 @@ class Scheduler:
         self._proxy.start()
 
     def next_key(self, lane: int = NORMAL) -> OpKey:
-        return OpKey(lane, next(self._sequence))
+        return OpKey(lane, next(self._sequence[lane]))
 
     def submit(self, op: Op) -> None:
         with self._lock:
@@ -123,6 +127,29 @@ class Scheduler:
                 self._alarm.arm()
         if self._alarm is None:
             self._wake()
+        if op.key.lane > NORMAL and self.nudge is not None:
+            self.nudge()
+
+    def take_passing(self, lane: int) -> Op | None:
+        """The first queued collective of a lane above ``lane`` (now the caller's to run), or None."""
+        with self._lock:
+            op = next((o for o in self._queue if o.key.lane > lane), None)
+            if op is not None and not self.failed:
+                self._queue.remove(op)
+                self._passing.append(op)
+                return op
+        return None
+
+    def settle_passing(self, op: Op, error: BaseException | None = None) -> None:
+        """A collective taken by ``take_passing`` is over (``error``: it failed, and latches)."""
+        with self._lock:
+            if op in self._passing:
+                self._passing.remove(op)
+            if error is not None:
+                self.failed = self.failed or str(error)
+        op.handle.complete(error)
+        if error is not None:
+            self._on_failure(op)
 
     def drive(self, handle: Handle) -> None:
         """Wait for ``handle``, running the queued collectives up to it here if the proxy is idle.
@@ -140,8 +167,9 @@ class Scheduler:
         """Latch ``cause`` and fail every pending collective now (the running one included)."""
         with self._lock:
             self.failed = self.failed or cause
-            pending = ([self._running] if self._running else []) + list(self._queue)
+            pending = ([self._running] if self._running else []) + self._passing + list(self._queue)
             self._queue.clear()
+            self._passing = []
         for op in pending:
             op.handle.complete(RuntimeError(cause))
         self._wake()
@@ -188,9 +216,8 @@ class Scheduler:
             return  # that thread hands over (below) when it stops with collectives left
         try:
             while self._queue and not self.closed and not (until and until.done.is_set()):
-                try:
-                    op = self._running = self._queue.popleft()
-                except IndexError:  # aborted meanwhile
+                op = self._running = self._pop_next()
+                if op is None:  # aborted meanwhile
                     break
                 self._run_one(op)  # one that abort() missed between the two lines fails at its latch check
         finally:
@@ -198,6 +225,16 @@ class Scheduler:
             self._exec.release()
         if self._queue and until is not None:
             self._wake()  # later collectives: the proxy takes them
+
+    def _pop_next(self) -> Op | None:
+        """The first queued collective of the highest lane that has one."""
+        with self._lock:
+            if not self._queue:
+                return None
+            top = max(o.key.lane for o in self._queue)
+            op = next(o for o in self._queue if o.key.lane == top)
+            self._queue.remove(op)
+            return op
 
     def _run_one(self, op: Op) -> None:
         """Run ``op`` (the caller holds the run lock); a failure latches and is told to the peers."""

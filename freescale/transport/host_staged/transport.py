@@ -27,11 +27,12 @@ import os
 import time
 import uuid
 import weakref
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from freescale.transport.base import TransportError, check_all_gather, check_all_to_all
+from freescale.transport.base import NORMAL, TransportError, check_all_gather, check_all_to_all, check_lane
 from freescale.transport.host_staged import memory, wire
 from freescale.transport.host_staged.local import LocalExchange
 from freescale.transport.host_staged.remote import RemoteTransfers
@@ -42,7 +43,7 @@ from freescale.transport.host_staged.staging import CudaStaging
 class HostStagedTransport:
     name = "host_staged"
 
-    def __init__(self, group: dist.ProcessGroup | None = None, cfg=None) -> None:
+    def __init__(self, group: dist.ProcessGroup | None = None, cfg=None, lanes: int = 1) -> None:
         from freescale.config import TransportConfig
 
         cfg = cfg or TransportConfig(kind="host_staged")
@@ -51,11 +52,13 @@ class HostStagedTransport:
         self.world_size = dist.get_world_size(self.group)
         self.chunk = cfg.chunk_kib * 1024
         self.slots = cfg.slots
+        self.lanes = lanes
         self.timeout_s = cfg.timeout_s
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self._closed = False
-        self.inbound: dict[int, memory.Ring] = {}
-        self.outbound: dict[int, memory.Ring] = {}
+        # Rings per lane and peer: a high-lane collective never waits for room behind a normal one.
+        self.inbound: dict[int, dict[int, memory.Ring]] = {lane: {} for lane in range(lanes)}
+        self.outbound: dict[int, dict[int, memory.Ring]] = {lane: {} for lane in range(lanes)}
         self._listener = None
         self._peers: dict[int, wire.Peer] = {}
         self.wire: wire.Wire | None = None
@@ -100,6 +103,7 @@ class HostStagedTransport:
         remote = [r for r in range(self.world_size) if not self.local[r]]
         self.remote = RemoteTransfers(self.rank, remote, self._global, self.group, self.timeout_s)
         self.scheduler = Scheduler(self.rank, run=self._execute, on_failure=lambda op: self.wire.fail(op.key))
+        self.scheduler.nudge = self.wire.nudge
 
     def _choose_local_path(self, wanted: str, info: list) -> str:
         """``mapped`` if every rank can map its peers' memory files (and ``wanted`` allows it)."""
@@ -125,19 +129,22 @@ class HostStagedTransport:
         self._peers = wire.connect(listener, self.prefix, self.rank, peers, self.timeout_s)
 
     def _create_rings(self, peers: list[int]) -> None:
-        for src in peers:
-            self.inbound[src] = memory.create_ring(self._ring_name(src, self.rank), self.chunk, self.slots)
+        for lane, rings in self.inbound.items():
+            for src in peers:
+                rings[src] = memory.create_ring(self._ring_name(lane, src, self.rank), self.chunk, self.slots)
 
     def _open_rings(self, peers: list[int]) -> None:
-        for dst in peers:
-            self.outbound[dst] = memory.open_ring(self._ring_name(self.rank, dst), self.chunk, self.slots)
+        for lane, rings in self.outbound.items():
+            for dst in peers:
+                rings[dst] = memory.open_ring(self._ring_name(lane, self.rank, dst), self.chunk, self.slots)
 
     def _unlink_rings(self) -> None:
-        for ring in self.inbound.values():
-            memory.unlink(ring)
+        for rings in self.inbound.values():
+            for ring in rings.values():
+                memory.unlink(ring)
 
-    def _ring_name(self, src: int, dst: int) -> str:
-        return f"{self.prefix}-{src}-{dst}"
+    def _ring_name(self, lane: int, src: int, dst: int) -> str:
+        return f"{self.prefix}-{lane}-{src}-{dst}"
 
     def _agree(self, step: str, fn, *args) -> None:
         """Run ``fn`` here, then learn whether it succeeded on every rank; fail on all if not."""
@@ -171,9 +178,10 @@ class HostStagedTransport:
 
     # Interface -----------------------------------------------------------------------------
 
-    def all_to_all_single(self, tensor: torch.Tensor, input_splits, output_splits) -> Handle:
+    def all_to_all_single(self, tensor: torch.Tensor, input_splits, output_splits, lane: int = NORMAL) -> Handle:
         tensor, ins, outs = check_all_to_all(self.name, self.rank, self.world_size, tensor, input_splits, output_splits)
-        return self._submit("all_to_all_single", tensor, ins, outs, gather=False)
+        return self._submit("all_to_all_single", tensor, ins, outs, gather=False,
+                            lane=check_lane(self.name, lane, self.lanes))
 
     def all_gather(self, tensor: torch.Tensor, sizes=None) -> Handle:
         tensor, sizes = check_all_gather(self.name, self.rank, self.world_size, tensor, sizes)
@@ -206,10 +214,10 @@ class HostStagedTransport:
             pass
 
     def _release(self) -> None:
-        for ring in (*self.inbound.values(), *self.outbound.values()):
-            ring.close()
-        self.inbound.clear()
-        self.outbound.clear()
+        for rings in (*self.inbound.values(), *self.outbound.values()):
+            for ring in rings.values():
+                ring.close()
+            rings.clear()
         if self._listener is not None:
             self._listener.close()
         if self.wire is not None:
@@ -225,7 +233,7 @@ class HostStagedTransport:
     # One collective ------------------------------------------------------------------------
 
     def _submit(self, op: str, tensor: torch.Tensor, input_splits: list[int], output_splits: list[int],
-                gather: bool) -> Handle:
+                gather: bool, lane: int = NORMAL) -> Handle:
         if self._closed:
             raise TransportError(f"host_staged {op}: the transport is closed")
         if self.scheduler.failed:
@@ -242,7 +250,7 @@ class HostStagedTransport:
         in_bytes = [n * row_bytes for n in input_splits]
         out_bytes = [n * row_bytes for n in output_splits]
         item = Op(
-            key=self.scheduler.next_key(), handle=Handle(op, finish, self.scheduler.drive), ready=ready,
+            key=self.scheduler.next_key(lane), handle=Handle(op, finish, self.scheduler.drive), ready=ready,
             send=src.data_ptr(), in_bytes=in_bytes,
             # Every destination of an all-gather reads the same bytes: its offsets all start at 0.
             in_offsets=[0] * self.world_size if gather else [0, *itertools.accumulate(in_bytes)][:-1],
@@ -253,37 +261,69 @@ class HostStagedTransport:
 
     def _execute(self, op: Op) -> None:
         """Move one collective's bytes: peers on other hosts (posted first), peers on this host
-        (stepped until done, sleeping on the wire between steps), then the other hosts' end."""
+        (stepped until done, sleeping on the wire between steps), then the other hosts' end.
+
+        A higher lane's collective issued meanwhile is started here and stepped alongside, before
+        this one each round; this returns once both are over.
+        """
+        active = [self._begin(op)]
+        deadline = time.monotonic() + self.timeout_s
+        next_check = time.monotonic() + wire.CHECK_S
+        try:
+            while active:
+                passing = self.scheduler.take_passing(op.key.lane)
+                if passing is not None:
+                    active.insert(0, self._begin(passing))
+                progressed = False
+                for run in list(active):
+                    progressed |= run.exchange.step()
+                    if run.exchange.done:
+                        # A peer that failed this collective may have sent its part before it failed:
+                        # fail here too (as far as this rank has heard), so the ranks agree.
+                        self.wire.wait(0.0)
+                        self.wire.check_reports(self.wire.peers, run.op.key)
+                        self.remote.finish(run.remote)
+                        active.remove(run)
+                        if run.op is not op:
+                            self.scheduler.settle_passing(run.op)
+                if not active:
+                    break
+                if any(run.op.handle.done.is_set() for run in active):  # aborted
+                    raise RuntimeError(self.scheduler.failed or "aborted")
+                now = time.monotonic()
+                if progressed:
+                    deadline = now + self.timeout_s
+                waiting = sorted(set().union(*(run.exchange.waiting_for() for run in active)))
+                if not progressed and now >= deadline:
+                    raise wire.PeerError(f"no progress for {self.timeout_s:g} s waiting for rank(s) {waiting}")
+                for run in active:
+                    self.wire.check(sorted(run.exchange.waiting_for()), run.op.key, pids=now >= next_check)
+                if now >= next_check:
+                    next_check = now + wire.CHECK_S
+                if not progressed:
+                    full = any(run.exchange.ring_full for run in active)
+                    self.wire.wait(0.001 if full else min(wire.CHECK_S, max(0.0, deadline - now)))
+        except BaseException as e:
+            for run in active:
+                if run.op is not op:
+                    self.scheduler.settle_passing(run.op, e)
+            raise
+
+    def _begin(self, op: Op) -> "_Running":
         if op.ready is not None:
             op.ready.synchronize()
         remote = self.remote.start(op)
-        exchange = LocalExchange(op, self.rank, self.wire, self.inbound, self.outbound, self.pool, self.peer_files,
-                                 chunk=self.chunk, mapped=self.local_path == "mapped")
+        lane = op.key.lane
+        exchange = LocalExchange(op, self.rank, self.wire, self.inbound[lane], self.outbound[lane], self.pool,
+                                 self.peer_files, chunk=self.chunk, mapped=self.local_path == "mapped")
         exchange.start()
-        deadline = time.monotonic() + self.timeout_s
-        next_check = time.monotonic() + wire.CHECK_S
-        while True:
-            progressed = exchange.step()
-            if exchange.done:
-                # A peer that failed this collective may have sent its part before it failed:
-                # fail here too (as far as this rank has heard), so the ranks agree.
-                self.wire.wait(0.0)
-                self.wire.check_reports(self.wire.peers, op.key)
-                break
-            if op.handle.done.is_set():  # aborted
-                raise RuntimeError(self.scheduler.failed or "aborted")
-            now = time.monotonic()
-            if progressed:
-                deadline = now + self.timeout_s
-            waiting = sorted(exchange.waiting_for())
-            if not progressed and now >= deadline:
-                raise wire.PeerError(f"no progress for {self.timeout_s:g} s waiting for rank(s) {waiting}")
-            self.wire.check(waiting, op.key, pids=now >= next_check)
-            if now >= next_check:
-                next_check = now + wire.CHECK_S
-            if not progressed:
-                self.wire.wait(0.001 if exchange.ring_full else min(wire.CHECK_S, max(0.0, deadline - now)))
-        self.remote.finish(remote)
+        return _Running(op, exchange, remote)
+
+
+class _Running(NamedTuple):
+    op: Op
+    exchange: LocalExchange
+    remote: list
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()

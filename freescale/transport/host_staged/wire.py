@@ -104,6 +104,9 @@ class Wire:
         self.written: set[tuple[int, OpKey]] = set()
         self._interrupt_r, self._interrupt_w = socket.socketpair()
         self._interrupt_r.setblocking(False)
+        self._nudge_r, self._nudge_w = socket.socketpair()  # wakes a waiter once (drained on wake-up)
+        self._nudge_r.setblocking(False)
+        self._nudge_w.setblocking(False)
         self._by_socket = {p.sock: p for p in peers.values()}
 
     # Sending -------------------------------------------------------------------------------
@@ -163,7 +166,7 @@ class Wire:
         without waiting.
         """
         socks = [p.sock for p in self.peers.values() if not p.gone]
-        socks.append(self._interrupt_r)
+        socks += [self._interrupt_r, self._nudge_r]
         readable, _, _ = select.select(socks, [], [], 0)
         if not readable and self.spin_s and timeout > 0:
             until = time.perf_counter() + min(self.spin_s, timeout)
@@ -176,6 +179,11 @@ class Wire:
             peer = self._by_socket.get(sock)
             if peer is not None:
                 self._receive(peer)
+            elif sock is self._nudge_r:
+                try:
+                    self._nudge_r.recv(4096)
+                except BlockingIOError:
+                    pass
 
     def _receive(self, peer: Peer) -> None:
         """File what ``peer`` has sent: announcements and answers by collective, failures."""
@@ -228,6 +236,13 @@ class Wire:
                 which = "this" if failed == key else "an earlier"
                 raise PeerError(f"rank {r} failed {which} collective (its own error says why)")
 
+    def nudge(self) -> None:
+        """Wake a waiter once (a collective that may be passed has been issued)."""
+        try:
+            self._nudge_w.send(b"\0")
+        except OSError:
+            pass  # a nudge is already pending (or the wire is closed)
+
     def interrupt(self) -> None:
         try:
             self._interrupt_w.send(b"\0")
@@ -237,8 +252,8 @@ class Wire:
     def close(self) -> None:
         for p in self.peers.values():
             p.sock.close()
-        self._interrupt_r.close()
-        self._interrupt_w.close()
+        for sock in (self._interrupt_r, self._interrupt_w, self._nudge_r, self._nudge_w):
+            sock.close()
 
 
 def listen(prefix: str, rank: int, backlog: int) -> socket.socket:

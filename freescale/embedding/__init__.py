@@ -1,0 +1,1 @@
+"""FreeScale's own row-wise sharded embedding tables and the prioritized pipeline over them."""

@@ -1,0 +1,209 @@
+"""Row-wise sharded embedding tables whose all-to-alls FreeScale issues itself.
+
+TorchRec's sequence-embedding all-to-alls call ``torch.distributed`` inside its sharded
+module and cannot be split or reordered; these tables keep the ecosystem's parts (TorchRec's
+row-wise layout, fbgemm's table-batched kernel with ``PoolingMode.NONE`` for the local
+lookup, the same fused optimizer as the baseline) and do the id, embedding and gradient
+exchanges through the transport interface, so a pipeline can order them.
+
+Layout: each table's rows are cut into ``world_size`` blocks of ``ceil(rows / world_size)``
+(TorchRec's row-wise sharding, the last block shorter); rank r owns block r of every table,
+held in one local fbgemm table (the tables' blocks back to back). The optimizer is fused
+into the kernel's backward: ``update(ids, grads)`` applies it to the rows ``ids`` (repeats
+accumulate, as in one training step).
+
+An id travels as its owner's local row (``Route``): the sender orders its ids owner-major
+(stable), sends each owner its share, and keeps the order to put the rows it gets back in
+its batch's order.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from fbgemm_gpu.split_embedding_configs import EmbOptimType, SparseType
+from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+    ComputeDevice,
+    EmbeddingLocation,
+    SplitTableBatchedEmbeddingBagsCodegen,
+)
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.device_mesh import DeviceMesh
+
+from freescale.transport.base import NORMAL
+
+FUSED_OPTIMIZERS = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
+EPS = 1e-8  # fbgemm's default, what TorchRec's fused row-wise Adagrad passes it too
+
+
+class Route(NamedTuple):
+    """One batch's ids as the exchange moved them."""
+
+    order: torch.Tensor
+    """Positions of the batch's ids, owner-major: ``ids_in_batch[order]`` is what was sent."""
+    owners: torch.Tensor
+    """Owner of each id, owner-major (ascending)."""
+    send_counts: list[int]
+    """Ids this rank sent each owner."""
+    recv_counts: list[int]
+    """Ids this rank received from each rank (as their owner)."""
+    ids: torch.Tensor
+    """Local rows this rank owns that the senders asked for, shard-major (by sender, then in its order)."""
+
+    def to_batch(self, rows_owner_major: torch.Tensor) -> torch.Tensor:
+        """Rows in owner-major order back in the batch's order."""
+        out = torch.empty_like(rows_owner_major)
+        out[self.order] = rows_owner_major
+        return out
+
+
+def counts_by(keys: torch.Tensor, world_size: int) -> list[int]:
+    """How many of the (sorted or not) owner indices ``keys`` fall on each rank."""
+    return torch.bincount(keys, minlength=world_size).tolist()
+
+
+class ShardedTables(nn.Module):
+    """Row-wise sharded tables over a replica's ranks, looked up and updated through a transport."""
+
+    def __init__(self, tables: dict[str, int], dim: int, *, rank: int, world_size: int, group: dist.ProcessGroup,
+                 optimizer: str, lr: float, init_std: float, seed: int) -> None:
+        super().__init__()
+        self.names = list(tables)
+        self.rows = [tables[n] for n in self.names]
+        self.dim = dim
+        self.rank = rank
+        self.world_size = world_size
+        self.group = group
+        self.blocks = [math.ceil(n / world_size) for n in self.rows]
+        # Rows of each table on each rank, and where each table's block starts in a rank's local table.
+        self.local_rows = [[max(0, min(n, (r + 1) * b) - r * b) for n, b in zip(self.rows, self.blocks)]
+                           for r in range(world_size)]
+        self.local_starts = torch.tensor([[sum(per_rank[:t]) for t in range(len(self.rows))] for per_rank in self.local_rows],
+                                         dtype=torch.int64)  # [world, tables]
+        local_total = max(1, sum(self.local_rows[rank]))  # fbgemm wants a row; an empty shard is never read
+        self.kernel = SplitTableBatchedEmbeddingBagsCodegen(
+            [(local_total, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+            optimizer=FUSED_OPTIMIZERS[optimizer], learning_rate=lr, eps=EPS,
+            pooling_mode=PoolingMode.NONE, weights_precision=SparseType.FP32,
+        )
+        self._init_rows(init_std, seed)
+
+    # Layout --------------------------------------------------------------------------------
+
+    def _init_rows(self, std: float, seed: int) -> None:
+        """Normal(0, std) rows, each table drawn whole from ``seed`` (so any world size sees the
+        same values for the same global row)."""
+        weight = self.weight
+        with torch.no_grad():
+            for t, (n, b) in enumerate(zip(self.rows, self.blocks)):
+                start, count = self.rank * b, self.local_rows[self.rank][t]
+                if not count:
+                    continue
+                gen = torch.Generator().manual_seed(seed * 1000003 + t)
+                full = torch.empty(n, self.dim).normal_(0.0, std, generator=gen)
+                at = int(self.local_starts[self.rank, t])
+                weight[at:at + count] = full[start:start + count]
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """This rank's local rows [local rows, dim] (a view of the kernel's storage)."""
+        return self.kernel.split_embedding_weights()[0]
+
+    def momentum(self) -> torch.Tensor | None:
+        """Row-wise Adagrad's per-row state (a view), or None for SGD."""
+        states = self.kernel.split_optimizer_states()
+        return states[0][0] if states and states[0] else None
+
+    def locate(self, table: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(owner rank, owner's local row) of global rows ``ids`` of table ``table``."""
+        owners = torch.div(ids, self.blocks[table], rounding_mode="floor")
+        return owners, ids - owners * self.blocks[table] + self.local_starts[owners, table]
+
+    # Exchanges -----------------------------------------------------------------------------
+
+    def route(self, transport, segments: Sequence[tuple[int, torch.Tensor]], lane: int = NORMAL) -> "PendingRoute":
+        """Start sending each owner the ids it holds; ``segments`` are (table, global ids) in
+        the batch's order. The counts go first (small), then the ids."""
+        located = [self.locate(t, ids) for t, ids in segments]
+        owners = torch.cat([o for o, _ in located]) if located else torch.zeros(0, dtype=torch.int64)
+        local = torch.cat([lr for _, lr in located]) if located else torch.zeros(0, dtype=torch.int64)
+        owners_sorted, order = torch.sort(owners, stable=True)
+        send_counts = counts_by(owners_sorted, self.world_size)
+        counts = transport.all_to_all_single(torch.tensor(send_counts, dtype=torch.int64), [1] * self.world_size,
+                                             [1] * self.world_size, lane=lane)
+        return PendingRoute(transport, lane, order, owners_sorted, send_counts, local[order], counts)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Local rows ``ids`` (no gradient)."""
+        with torch.no_grad():
+            return self.kernel(ids, torch.arange(ids.numel() + 1, dtype=torch.int64))
+
+    def update(self, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Apply the fused optimizer to local rows ``ids`` with ``grads`` (one row each, repeats sum)."""
+        if ids.numel():
+            out = self.kernel(ids, torch.arange(ids.numel() + 1, dtype=torch.int64))
+            out.backward(grads)
+
+    # Checkpoints ---------------------------------------------------------------------------
+
+    def _mesh(self) -> DeviceMesh:
+        return DeviceMesh.from_group(self.group, device_type="cpu")
+
+    def sharded_state(self) -> dict[str, torch.Tensor]:
+        """Every table's weights (and optimizer state) as DTensors sharded by rows: DCP saves and
+        loads them in place, across world sizes."""
+        mesh = self._mesh()
+        weight, momentum = self.weight, self.momentum()
+        out = {}
+        for t, name in enumerate(self.names):
+            at, count = int(self.local_starts[self.rank, t]), self.local_rows[self.rank][t]
+            out[f"{name}.weight"] = DTensor.from_local(weight[at:at + count], mesh, [Shard(0)], run_check=False,
+                                                        shape=torch.Size((self.rows[t], self.dim)),
+                                                        stride=(self.dim, 1))
+            if momentum is not None:
+                out[f"{name}.momentum"] = DTensor.from_local(momentum[at:at + count], mesh, [Shard(0)], run_check=False,
+                                                              shape=torch.Size((self.rows[t],)), stride=(1,))
+        return out
+
+    def load_sharded_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Copy ``state`` (as from ``sharded_state``) into the kernel, unless it already is its storage."""
+        mine = self.sharded_state()
+        for key, value in state.items():
+            if key not in mine:
+                raise KeyError(f"unexpected embedding state {key!r}; expected {sorted(mine)}")
+            target = mine[key].to_local()
+            source = value.to_local() if isinstance(value, DTensor) else value
+            if source.data_ptr() != target.data_ptr():
+                with torch.no_grad():
+                    target.copy_(source)
+
+
+class PendingRoute:
+    """A route whose counts are on their way; ``send()`` issues the ids, ``wait()`` gives the ``Route``."""
+
+    def __init__(self, transport, lane, order, owners, send_counts, local_sorted, counts) -> None:
+        self.transport = transport
+        self.lane = lane
+        self.order = order
+        self.owners = owners
+        self.send_counts = send_counts
+        self.local_sorted = local_sorted
+        self.counts = counts
+        self.recv_counts: list[int] | None = None
+        self.ids = None
+
+    def send(self) -> "PendingRoute":
+        if self.ids is None:
+            self.recv_counts = self.counts.wait().tolist()
+            self.ids = self.transport.all_to_all_single(self.local_sorted, self.send_counts, self.recv_counts,
+                                                        lane=self.lane)
+        return self
+
+    def wait(self) -> Route:
+        self.send()
+        return Route(self.order, self.owners, self.send_counts, self.recv_counts, self.ids.wait())

@@ -1,0 +1,336 @@
+"""Training over FreeScale's own sharded tables: the synchronous reference and the prioritized pipeline.
+
+Both train the same model (``OwnedModel``: ``ShardedTables`` for the item and user tables,
+the dense ``SeqRecTask`` replicated with its gradients all-reduced) on the same batches and
+give bitwise the same result on CPU; they differ in when the embedding exchanges happen.
+
+``sync`` (the reference), per step: exchange the batch's ids, look up and exchange its rows,
+forward and backward, exchange the gradients and update every row, step the dense optimizer.
+
+``prioritized``: batch i+1's ids are exchanged while batch i computes. Each owner splits the
+rows i+1 reads into collision rows (batch i writes them) and exclusive rows (``rows.py``),
+and tells the senders which of their ids are which (one small all-to-all of flags). Then:
+
+1. batch i-1's deferred gradients (rows i does not read) are applied, before any later read;
+2. batch i+1's exclusive rows are looked up and sent (normal lane), overlapped with batch i's
+   forward and backward;
+3. after batch i's backward, its collision gradients go first (high lane); the owners update
+   those rows and send batch i+1's collision rows (high lane): the only exchange the next
+   step waits for in full;
+4. batch i's other gradients are sent (normal lane) and applied at step 1 of the next step.
+
+Every row is updated by the same fused-optimizer arithmetic over the same gradients in the
+same order as in ``sync``, and read only after every update before it: the numerics are
+identical. The pipeline drains (``drain``: applies the deferred gradients) before evaluation,
+before a checkpoint and at the end of the data.
+
+On CPU the exchanges run in the transport's threads (gloo's, or the ``host_staged`` proxy)
+while this rank's main thread computes; the timeline marks the waits: ``id_wait``,
+``flags_wait``, ``exclusive_wait`` (rows of the next batch, and deferred gradients) and
+``collision_wait``, and records each step's collision rate.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torchrec.sparse.jagged_tensor import JaggedTensor
+
+from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE, Batch
+from freescale.embedding.exchange import PendingRoute, Route, ShardedTables, counts_by
+from freescale.embedding.rows import in_rows, split_rows
+from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, SeqRecTask
+from freescale.transport.base import HIGH, NORMAL
+
+
+class OwnedModel(nn.Module):
+    """The sequence model over ``ShardedTables``: the tables' rows come in, the loss goes out."""
+
+    def __init__(self, tables: ShardedTables, task: SeqRecTask, user_features: bool) -> None:
+        super().__init__()
+        self.tables = tables
+        self.task = task
+        self.user_features = user_features
+
+    def segments(self, batch: Batch) -> list[tuple[int, torch.Tensor]]:
+        """(table, global ids) of the batch in the order its rows are used: UIH and candidates, users."""
+        segs = [(0, batch.seq_features.values())]
+        if self.user_features:
+            segs.append((1, batch.user_features.values()))
+        return segs
+
+    def dense(self, batch: Batch, rows: torch.Tensor):
+        """(loss, StepOutput) from the batch's rows in ``segments`` order."""
+        n_uih = int(batch.uih_lengths.sum())
+        n_items = batch.seq_features.values().numel()
+        seq = {UIH_FEATURE: JaggedTensor(values=rows[:n_uih], lengths=batch.uih_lengths),
+               CANDIDATE_FEATURE: JaggedTensor(values=rows[n_uih:n_items], lengths=batch.cand_counts)}
+        user = {USER_FEATURE: rows[n_items:]} if self.user_features else None
+        return self.task(seq, user, batch.uih_lengths, batch.cand_counts, batch.labels, batch.sample_ids,
+                         batch.batch_index, batch.loss_scale)
+
+    # Checkpoints: the dense part as usual, the tables as row-sharded DTensors.
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        out = {f"task.{k}": v for k, v in self.task.state_dict().items()}
+        out.update({f"tables.{k}": v for k, v in self.tables.sharded_state().items()})
+        return out
+
+    def load_state_dict(self, state: dict, strict: bool = True):
+        self.task.load_state_dict({k[len("task."):]: v for k, v in state.items() if k.startswith("task.")}, strict=strict)
+        self.tables.load_sharded_state({k[len("tables."):]: v for k, v in state.items() if k.startswith("tables.")})
+
+
+def build_owned_model(cfg, *, num_items: int, max_uih_len: int, topology, seed: int) -> OwnedModel:
+    """The model with its tables sharded row-wise over the replica's ranks (``cfg``: the experiment)."""
+    tables = {ITEM_TABLE: num_items}
+    if cfg.model.user_features:
+        tables[USER_TABLE] = cfg.model.user_hash_size
+    sharded = ShardedTables(tables, cfg.model.embedding_dim, rank=topology.rank, world_size=topology.world_size,
+                            group=topology.pg, optimizer=cfg.embedding.optimizer, lr=cfg.embedding.lr,
+                            init_std=cfg.embedding.init_std, seed=seed)
+    return OwnedModel(sharded, SeqRecTask(cfg.model, max_uih_len), cfg.model.user_features)
+
+
+def all_reduce_dense(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Average the dense gradients over the replica (one flat all-reduce, the same on every rank)."""
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    at = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[at:at + n].view_as(g).clone()
+        at += n
+
+
+@dataclass
+class _Staged:
+    """A batch whose ids have been (or are being) exchanged."""
+
+    batch: Batch
+    pending: PendingRoute
+    route: Route | None = None
+    rows: torch.Tensor | None = None  # the batch's rows in batch order, once assembled
+    # Set when the next batch is known: which of this batch's ids (owner-major, as sent) and of
+    # the ids it received (shard-major, as owner) are collision rows.
+    sent_collide: torch.Tensor | None = None
+    owned_collide: torch.Tensor | None = None
+
+    def wait_route(self) -> Route:
+        if self.route is None:
+            self.route = self.pending.wait()
+        return self.route
+
+
+class _Deferred:
+    """Gradients of rows the next batch does not read, on their way to their owners."""
+
+    def __init__(self, handle, ids: torch.Tensor) -> None:
+        self.handle = handle
+        self.ids = ids
+
+
+class EmbeddingPipeline:
+    """``progress(batches)`` trains one batch and returns its ``StepOutput``, like TorchRec's pipelines."""
+
+    def __init__(self, model: OwnedModel, optimizer, transport, group: dist.ProcessGroup, timeline, *,
+                 prioritized: bool) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.transport = transport
+        self.group = group
+        self.timeline = timeline
+        self.prioritized = prioritized
+        self.tables = model.tables
+        self.dense_params = [p for p in model.task.parameters() if p.requires_grad]
+        self._cur: _Staged | None = None
+        self._next: _Staged | None = None
+        self._deferred: _Deferred | None = None
+        self._started = False
+        self.collision_rates: list[float] = []
+
+    # Steps ---------------------------------------------------------------------------------
+
+    def progress(self, batches: Iterator):
+        if not self.prioritized:
+            return self._sync_step(next(batches))
+        if not self._started:
+            self._started = True
+            first = next(batches)
+            self._cur = self._stage(first)
+            self._cur.rows = self._lookup_all(self._cur)
+            self._next = self._stage(next(batches, None))
+        if self._cur is None:
+            raise StopIteration
+        out = self._prioritized_step(batches)
+        return out
+
+    def _sync_step(self, batch: Batch):
+        staged = self._stage(batch)
+        rows = self._lookup_all(staged)
+        loss, out, grads = self._forward_backward(staged.batch, rows)
+        route = staged.route
+        with self.timeline.span("collision_wait"):
+            got = self.transport.all_to_all_single(grads[route.order], route.send_counts, route.recv_counts).wait()
+        self.tables.update(route.ids, got)
+        self._dense_step()
+        return out
+
+    def _prioritized_step(self, batches: Iterator):
+        cur, nxt, tables = self._cur, self._next, self.tables
+        # 1. Batch i-1's deferred gradients, before anything reads those rows.
+        self._apply_deferred()
+        # The batch after next: its id exchange starts now and ends during the next step.
+        after = self._stage(next(batches, None), wait=False) if nxt is not None else None
+        exclusive = None
+        if nxt is not None:
+            # 2. Split batch i+1's rows at their owners, tell the senders, send the exclusive rows early.
+            self._split(cur, nxt)
+            keep = ~nxt.owned_collide
+            early = tables.lookup(nxt.route.ids[keep])
+            exclusive = self.transport.all_to_all_single(
+                early, _per_rank(nxt.route.recv_counts, keep), _per_owner(nxt.route, ~nxt.sent_collide),
+                lane=NORMAL)
+        if after is not None:
+            after.pending.send()
+        # Batch i's forward and backward, on the rows assembled last step.
+        loss, out, grads = self._forward_backward(cur.batch, cur.rows)
+        route = cur.route
+        sent = grads[route.order]
+        if nxt is None:
+            # End of the data: nothing reads ahead, every row is updated now.
+            with self.timeline.span("collision_wait"):
+                got = self.transport.all_to_all_single(sent, route.send_counts, route.recv_counts).wait()
+            tables.update(route.ids, got)
+        else:
+            # 3. Collision gradients first; then the rest of batch i's gradients, deferred.
+            hot = cur.sent_collide
+            collision = self.transport.all_to_all_single(
+                sent[hot], _per_owner(route, hot), _per_rank(route.recv_counts, cur.owned_collide), lane=HIGH)
+            rest = self.transport.all_to_all_single(
+                sent[~hot], _per_owner(route, ~hot), _per_rank(route.recv_counts, ~cur.owned_collide), lane=NORMAL)
+            self._deferred = _Deferred(rest, route.ids[~cur.owned_collide])
+            with self.timeline.span("collision_wait"):
+                got = collision.wait()
+            tables.update(route.ids[cur.owned_collide], got)
+            # The owners send batch i+1's collision rows, now updated.
+            hot_next = nxt.owned_collide
+            late = self.transport.all_to_all_single(
+                tables.lookup(nxt.route.ids[hot_next]), _per_rank(nxt.route.recv_counts, hot_next),
+                _per_owner(nxt.route, nxt.sent_collide), lane=HIGH)
+        self._dense_step()
+        if nxt is not None:
+            with self.timeline.span("collision_wait"):
+                late_rows = late.wait()
+            with self.timeline.span("exclusive_wait"):
+                early_rows = exclusive.wait()
+            owner_major = early_rows.new_empty((nxt.sent_collide.numel(), tables.dim))
+            owner_major[nxt.sent_collide] = late_rows
+            owner_major[~nxt.sent_collide] = early_rows
+            nxt.rows = nxt.route.to_batch(owner_major)
+        self._cur, self._next = nxt, after
+        if self._cur is not None and self._next is None:
+            self.drain()  # the data ended: nothing is deferred past the last batch
+        return out
+
+    # Parts ---------------------------------------------------------------------------------
+
+    def _stage(self, batch: Batch | None, wait: bool = True) -> _Staged | None:
+        if batch is None:
+            return None
+        staged = _Staged(batch, self.tables.route(self.transport, self.model.segments(batch)))
+        if wait:
+            with self.timeline.span("id_wait"):
+                staged.wait_route()
+        return staged
+
+    def _lookup_all(self, staged: _Staged) -> torch.Tensor:
+        """The batch's rows, every one looked up now (the sync path, and the first batch)."""
+        route = staged.wait_route()
+        with self.timeline.span("exclusive_wait"):
+            got = self.transport.all_to_all_single(self.tables.lookup(route.ids), route.recv_counts,
+                                                   route.send_counts).wait()
+        return route.to_batch(got)
+
+    def _split(self, cur: _Staged, nxt: _Staged) -> None:
+        """Collision rows of (cur, nxt) at this owner, and the flags every sender needs."""
+        with self.timeline.span("id_wait"):
+            nxt_route = nxt.wait_route()
+        cur_route = cur.route
+        split = split_rows(cur_route.ids, nxt_route.ids)
+        cur.owned_collide = in_rows(cur_route.ids, split.collision)
+        nxt.owned_collide = in_rows(nxt_route.ids, split.collision)
+        self.collision_rates.append(self._global_rate(len(split.collision), len(split.collision) + len(split.exclusive)))
+        # Flags back to the senders, per sender: its batch-i ids, then its batch-(i+1) ids.
+        W = self.tables.world_size
+        cur_parts = torch.split(cur.owned_collide, cur_route.recv_counts)
+        nxt_parts = torch.split(nxt.owned_collide, nxt_route.recv_counts)
+        flags = torch.cat([torch.cat([cur_parts[r], nxt_parts[r]]) for r in range(W)]).to(torch.uint8)
+        back = [cur_route.send_counts[r] + nxt_route.send_counts[r] for r in range(W)]
+        ins = [cur_route.recv_counts[r] + nxt_route.recv_counts[r] for r in range(W)]
+        handle = self.transport.all_to_all_single(flags, ins, back, lane=HIGH)
+        with self.timeline.span("flags_wait"):
+            got = handle.wait().bool()
+        parts = torch.split(got, back)
+        cur.sent_collide = torch.cat([parts[r][:cur_route.send_counts[r]] for r in range(W)])
+        nxt.sent_collide = torch.cat([parts[r][cur_route.send_counts[r]:] for r in range(W)])
+
+    def _global_rate(self, collision: int, read: int) -> float:
+        """Collision rows / rows read over every owner (what the step's record shows)."""
+        self.timeline.note("collision_rows", collision)
+        self.timeline.note("read_rows", read)
+        return collision / read if read else 0.0
+
+    def _forward_backward(self, batch: Batch, rows: torch.Tensor):
+        leaf = rows.detach().requires_grad_()
+        with self.timeline.span("forward"):
+            loss, out = self.model.dense(batch, leaf)
+        with self.timeline.span("backward"):
+            loss.backward()
+        grads = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        return loss, out, grads
+
+    def _dense_step(self) -> None:
+        with self.timeline.span("optimizer"):
+            all_reduce_dense(self.dense_params, self.group)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def _apply_deferred(self) -> None:
+        if self._deferred is not None:
+            with self.timeline.span("exclusive_wait"):
+                got = self._deferred.handle.wait()
+            self.tables.update(self._deferred.ids, got)
+            self._deferred = None
+
+    def drain(self) -> None:
+        """Apply every deferred update: the tables then hold what synchronous training would."""
+        self._apply_deferred()
+
+    @contextmanager
+    def evaluating(self):
+        """A callable ``model(batch) -> (loss, StepOutput)`` that looks up every row now (no update)."""
+        self.drain()
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield lambda batch: self.model.dense(batch, self._lookup_all(self._stage(batch)))
+        finally:
+            self.model.train()
+
+
+def _per_owner(route: Route, mask: torch.Tensor) -> list[int]:
+    """How many of this rank's sent ids (owner-major) that ``mask`` keeps go to each owner."""
+    return counts_by(route.owners[mask], len(route.send_counts))
+
+
+def _per_rank(counts: list[int], mask: torch.Tensor) -> list[int]:
+    """How many of the ids received (shard-major, ``counts`` from each rank) ``mask`` keeps, per rank."""
+    return [int(part.sum()) for part in torch.split(mask, counts)]

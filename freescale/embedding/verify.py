@@ -1,0 +1,132 @@
+"""``freescale verify``: the prioritized pipeline against synchronous updates, bit for bit.
+
+The same data (the experiment's source, balancer and all) is trained twice on the same ranks,
+over the same module: once with ``train.pipeline: sync`` and once with ``prioritized``. After
+N steps every embedding row, the embedding optimizer's state, every dense parameter and the
+dense optimizer's state are compared on every rank, and so is each step's loss.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from freescale import distributed
+from freescale.balance.balancer import build_balancer
+from freescale.config import ExperimentConfig
+from freescale.data.loader import BatchLoader
+from freescale.embedding.pipeline import build_owned_model
+from freescale.model.sharding import build_dense_optimizer
+from freescale.profile.timeline import NullTimeline
+from freescale.train.pipelines import build_pipeline
+from freescale.train.trainer import read_inputs
+
+MODES = ("sync", "prioritized")
+
+
+@dataclass
+class Verdict:
+    steps: int
+    losses: dict[str, list[float]]
+    """Per mode, each step's loss summed over the replica's ranks."""
+    step_diffs: list[float]
+    """Per step, the largest loss difference on any rank."""
+    state_diffs: dict[str, float] = field(default_factory=dict)
+    """Per kind of state, the largest absolute difference on any rank."""
+    collision_rate: float = 0.0
+    identical: bool = False
+
+
+def snapshot(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's state by kind: embedding rows, their optimizer state, dense parameters, dense optimizer state."""
+    tables = model.tables
+    momentum = tables.momentum()
+    dense_opt = {}
+    for name, state in optimizer.state.items():
+        for key, value in state.items():
+            if torch.is_tensor(value):
+                dense_opt[f"{name}.{key}"] = value.detach().clone()
+    return {
+        "embedding rows": {"weight": tables.weight.detach().clone()},
+        "embedding optimizer state": {"momentum": momentum.detach().clone()} if momentum is not None else {},
+        "dense parameters": {k: v.detach().clone() for k, v in model.task.state_dict().items()},
+        "dense optimizer state": dense_opt,
+    }
+
+
+def _run(cfg: ExperimentConfig, mode: str, steps: int, topo, inputs, log) -> tuple[list[float], dict, list[float]]:
+    torch.manual_seed(cfg.run.seed)
+    loader = BatchLoader(inputs.train_source, batch_size=cfg.data.batch_size, rank=topo.rank,
+                         world_size=topo.world_size, user_hash_size=cfg.model.user_hash_size)
+    balancer = build_balancer(cfg.balance, cfg.transport, inputs.cost_model, group=topo.pg,
+                              user_hash_size=cfg.model.user_hash_size)
+    model = build_owned_model(cfg, num_items=inputs.train_source.num_items, max_uih_len=cfg.data.max_uih_len,
+                              topology=topo, seed=cfg.run.seed)
+    optimizer = build_dense_optimizer(model.task, cfg.train)
+    pipeline = build_pipeline(mode, model, optimizer, torch.device("cpu"), NullTimeline(), group=topo.pg,
+                              transport_cfg=cfg.transport)
+    try:
+        batches = balancer.batches(loader.iter_samples())
+        losses = []
+        for step in range(1, steps + 1):
+            losses.append(pipeline.progress(batches).loss.item())
+            if topo.is_main and (step % max(1, steps // 4) == 0 or step == steps):
+                log(f"{mode}: step {step}/{steps}")
+        pipeline.drain()
+        return losses, snapshot(model, optimizer), pipeline.inner.collision_rates
+    finally:
+        pipeline.close()
+        balancer.close()
+
+
+def verify(cfg: ExperimentConfig, steps: int, log=print) -> Verdict:
+    """Train both ways on this job's ranks; every rank returns the same verdict."""
+    device = distributed.resolve_device("cpu", 0)
+    topo = distributed.init_distributed(device, "gloo")
+    distributed.set_threads(cfg.run.threads, topo.local_world_size)
+    inputs = read_inputs(cfg)
+    runs = {mode: _run(cfg, mode, steps, topo, inputs, log) for mode in MODES}
+    (ref_losses, ref_state, _), (got_losses, got_state, rates) = runs["sync"], runs["prioritized"]
+
+    local = torch.tensor([abs(a - b) if not (a == b) else 0.0 for a, b in zip(ref_losses, got_losses)],
+                         dtype=torch.float64)
+    kinds = list(ref_state)
+    diffs, equal = [], True
+    for kind in kinds:
+        worst = 0.0
+        for key, ref in ref_state[kind].items():
+            got = got_state[kind][key]
+            equal &= torch.equal(ref, got)
+            if ref.numel():
+                worst = max(worst, float((ref.double() - got.double()).abs().max()))
+        diffs.append(worst)
+    # Bitwise equal on every rank: the losses too (a NaN never compares equal).
+    equal &= all(a == b for a, b in zip(ref_losses, got_losses))
+    verdict = torch.cat([local, torch.tensor(diffs, dtype=torch.float64), torch.tensor([0.0 if equal else 1.0])])
+    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=topo.pg)
+    sums = torch.tensor([ref_losses, got_losses], dtype=torch.float64)
+    dist.all_reduce(sums, group=topo.pg)
+    rate = torch.tensor([sum(rates), float(len(rates))], dtype=torch.float64)
+    dist.all_reduce(rate, group=topo.pg)
+    n = len(ref_losses)
+    return Verdict(
+        steps=steps,
+        losses={"sync": sums[0].tolist(), "prioritized": sums[1].tolist()},
+        step_diffs=verdict[:n].tolist(),
+        state_diffs=dict(zip(kinds, verdict[n:n + len(kinds)].tolist())),
+        collision_rate=float(rate[0] / rate[1]) if rate[1] else math.nan,
+        identical=bool(verdict[-1] == 0.0),
+    )
+
+
+def print_verdict(v: Verdict) -> None:
+    print(f"{'step':>5} {'loss (sync)':>14} {'loss (prioritized)':>19} {'max |diff|':>11}")
+    for i, (a, b, d) in enumerate(zip(v.losses["sync"], v.losses["prioritized"], v.step_diffs), 1):
+        print(f"{i:>5} {a:>14.8f} {b:>19.8f} {d:>11.3g}")
+    print(f"mean collision rate (per owner, per step): {100 * v.collision_rate:.1f}%")
+    for kind, d in v.state_diffs.items():
+        print(f"{kind + ':':<28} max |diff| {d:.3g}")
+    print("bitwise identical" if v.identical else "NOT bitwise identical")
