@@ -85,6 +85,8 @@ class JaggedLayout:
         """Multi-head attention of packed queries ``q`` over packed keys/values of the same sample."""
         dim = q.shape[-1]
         head_dim = dim // num_heads
+        if q.shape[0] == 0:  # no queries at all (every history empty, for self-attention)
+            return q.new_zeros((0, dim)) + 0 * k.sum()
         outputs = []
         for qp, kvp in self.groups:
             g, lq = qp.index.shape
@@ -93,5 +95,8 @@ class JaggedLayout:
             kh = k[kvp.index].view(g, lk, num_heads, head_dim).transpose(1, 2)
             vh = v[kvp.index].view(g, lk, num_heads, head_dim).transpose(1, 2)
             out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=kvp.mask[:, None, None, :])
+            no_keys = ~kvp.mask.any(dim=1)  # a sample with an empty history attends to nothing: zeros
+            if no_keys.any():
+                out = torch.where(no_keys[:, None, None, None], torch.zeros_like(out), out)
             outputs.append(out.transpose(1, 2).reshape(g, lq, dim)[qp.mask])
         return torch.cat(outputs)[self.unpermute]

@@ -1,0 +1,158 @@
+"""The prioritized pipeline against synchronous updates of the same tables, bit for bit, on 2
+gloo ranks; its schedule (what goes early, what goes on the high lane); ``freescale verify``."""
+
+import numpy as np
+import pytest
+import torch
+
+from freescale.config import load_config
+from freescale.data.batch import Batch, Samples
+from freescale.distributed import Topology
+from freescale.embedding.pipeline import build_owned_model
+from freescale.embedding.verify import snapshot
+from freescale.model.sharding import build_dense_optimizer
+from freescale.profile.timeline import NullTimeline
+from freescale.train.pipelines import build_pipeline
+from freescale.transport.base import HIGH, NORMAL
+from helpers.launch import FAST, QUICKSTART, check, freescale, torchrun
+from helpers.spawn import run_ranks
+
+pytestmark = pytest.mark.slow
+
+ITEMS = 64  # rows 0..31 on rank 0, 32..63 on rank 1
+USERS = 16
+SMALL = ["--model.embedding_dim=8", "--model.num_heads=2", "--model.num_layers=1", "--model.mlp_dims=[8]",
+         f"--model.user_hash_size={USERS}", "--data.max_uih_len=16", "--embedding.lr=0.5", "--train.lr=0.01"]
+
+
+def _samples(rng, pool, n, first_id, uih_len=(0, 6), users=np.arange(USERS)):
+    lengths = rng.integers(uih_len[0], uih_len[1] + 1, n)
+    return Samples(
+        sample_ids=np.arange(first_id, first_id + n, dtype=np.int64),
+        user_ids=rng.choice(users, n).astype(np.int64),
+        uih_lengths=lengths.astype(np.int64),
+        uih_values=rng.choice(pool, int(lengths.sum())).astype(np.int64),
+        cand_counts=np.full(n, 2, dtype=np.int64),
+        cand_values=rng.choice(pool, 2 * n).astype(np.int64),
+        labels=(rng.random(2 * n) < 0.5).astype(np.float32),
+    )
+
+
+def _stream(rank):
+    """26 batches per rank mixing every case: no row in common with the previous batch (even and
+    odd rows, and users, alternate), the same rows again, empty histories, ids only rank 0 owns, any rows."""
+    rng = np.random.default_rng(100 + rank)
+    evens, odds = np.arange(0, ITEMS, 2), np.arange(1, ITEMS, 2)
+    cases = (["disjoint"] * 4 + ["same"] * 4 + ["empty_uih"] * 3 + ["one_owner"] * 3 + ["any"] * 4
+             + ["disjoint"] * 2 + ["same"] * 2 + ["any"] * 4)
+    batches, previous = [], None
+    for k, case in enumerate(cases):
+        if case == "disjoint":
+            s = _samples(rng, evens if k % 2 else odds, 6, 1000 * k + 10 * rank, users=(evens if k % 2 else odds) % USERS)
+        elif case == "same" and previous is not None:
+            s = previous
+        elif case == "empty_uih":
+            s = _samples(rng, np.arange(ITEMS), 5, 1000 * k + 10 * rank, uih_len=(0, 0))
+        elif case == "one_owner":
+            s = _samples(rng, np.arange(ITEMS // 2), 6, 1000 * k + 10 * rank)
+        else:
+            s = _samples(rng, np.arange(ITEMS), int(rng.integers(3, 8)), 1000 * k + 10 * rank)
+        previous = s
+        batches.append(Batch.from_samples(s, k, USERS))
+    return batches
+
+
+class RecordingTransport:
+    """A transport that logs what is issued, on which lane, between the model's forward passes."""
+
+    def __init__(self, inner, log):
+        self.inner, self.log = inner, log
+        self.rank, self.world_size = inner.rank, inner.world_size
+
+    def all_to_all_single(self, tensor, ins, outs, lane=NORMAL):
+        self.log.append(("a2a", lane, tuple(tensor.shape[1:]), sum(ins)))
+        return self.inner.all_to_all_single(tensor, ins, outs, lane=lane)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def _train(mode, rank, world, transport_kind, log=None, steps=None):
+    cfg = load_config(QUICKSTART, [*SMALL, f"--transport.kind={transport_kind}", "--transport.timeout_s=30"])
+    topo = Topology(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
+    torch.manual_seed(0)
+    model = build_owned_model(cfg, num_items=ITEMS, max_uih_len=cfg.data.max_uih_len, topology=topo, seed=7)
+    optimizer = build_dense_optimizer(model.task, cfg.train)
+    pipeline = build_pipeline(mode, model, optimizer, torch.device("cpu"), NullTimeline(), group=topo.pg,
+                              transport_cfg=cfg.transport)
+    if log is not None:
+        pipeline.inner.transport = RecordingTransport(pipeline.inner.transport, log)
+        model.task.register_forward_pre_hook(lambda *_: log.append(("forward",)))
+    batches = iter(_stream(rank)[:steps])
+    losses = []
+    try:
+        while True:
+            losses.append(pipeline.progress(batches).loss.item())
+    except StopIteration:
+        pass
+    pipeline.drain()
+    state = snapshot(model, optimizer)
+    rates = list(pipeline.inner.collision_rates)
+    pipeline.close()
+    return losses, state, rates
+
+
+def _bitwise(rank, world, transport_kind):
+    ref_losses, ref, _ = _train("sync", rank, world, transport_kind)
+    losses, got, rates = _train("prioritized", rank, world, transport_kind)
+    assert len(losses) == len(ref_losses) == 26
+    assert losses == ref_losses
+    for kind in ref:
+        assert ref[kind].keys() == got[kind].keys() and ref[kind], kind
+        for key in ref[kind]:
+            assert torch.equal(ref[kind][key], got[kind][key]), (kind, key)
+    # The stream has every case: steps with no rows in common, and steps with only rows in common.
+    assert 0.0 in rates and 1.0 in rates and any(0.0 < r < 1.0 for r in rates), rates
+    # And it trained: the rows moved away from their initial values.
+    fresh = build_owned_model(load_config(QUICKSTART, SMALL), num_items=ITEMS, max_uih_len=16,
+                              topology=Topology(rank=rank, world_size=world, local_rank=rank, local_world_size=world),
+                              seed=7)
+    assert not torch.equal(fresh.tables.weight, got["embedding rows"]["weight"])
+
+
+@pytest.mark.parametrize("transport_kind", ["torch_dist", "host_staged"])
+def test_prioritized_training_is_bitwise_equal_to_synchronous_updates(transport_kind):
+    run_ranks(2, _bitwise, transport_kind)
+
+
+def _schedule(rank, world):
+    log = []
+    _train("prioritized", rank, world, "torch_dist", log=log, steps=8)
+    forwards = [i for i, e in enumerate(log) if e[0] == "forward"]
+    assert len(forwards) == 8
+    rows = [(i, e[1]) for i, e in enumerate(log) if e[0] == "a2a" and e[2] == (8,)]  # embedding rows and gradients
+    for j in range(1, 7):  # the steps with a batch after them
+        before = [lane for i, lane in rows if forwards[j - 1] < i < forwards[j]]
+        after = [lane for i, lane in rows if forwards[j] < i < forwards[j + 1]]
+        # The last exchange of rows before a step's forward: the next batch's exclusive rows, normal lane.
+        assert before[-1] == NORMAL, (j, before)
+        # After its backward: collision gradients (high), the other gradients (normal, deferred),
+        # the next batch's collision rows (high).
+        assert after[:3] == [HIGH, NORMAL, HIGH], (j, after)
+
+
+def test_exclusive_rows_go_early_and_collision_rows_on_the_high_lane():
+    run_ranks(2, _schedule)
+
+
+def test_verify_cli_is_bitwise_with_the_balancer_on(tmp_path):
+    proc = check(torchrun(2, "verify", "--config", str(QUICKSTART), *FAST, "--steps=20", "--balance.enable=true",
+                          "--data.synthetic.num_items=512", timeout=600))
+    assert "bitwise identical" in proc.stdout and "NOT" not in proc.stdout
+    table = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(table) == 20 and all(float(row[-1]) == 0.0 for row in table)
+
+
+def test_verify_cli_refuses_a_single_step():
+    proc = freescale("verify", "--config", str(QUICKSTART), "--steps=1")
+    assert proc.returncode == 2 and "--steps: expected at least 2" in proc.stderr
