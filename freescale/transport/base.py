@@ -53,6 +53,9 @@ SUPPORTED_DTYPES = frozenset({
 class Handle(Protocol):
     def wait(self) -> torch.Tensor: ...
 
+    def completed(self) -> bool:
+        """Whether the collective is over (``wait()`` then returns or raises at once)."""
+
 
 class Transport(Protocol):
     rank: int

@@ -36,6 +36,9 @@ class _WorkHandle:
         with self._settle:
             self.error = self.error or error
 
+    def completed(self) -> bool:
+        return self.error is not None or self.work.is_completed()
+
     def wait(self) -> torch.Tensor:
         while self.error is None:
             try:

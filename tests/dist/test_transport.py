@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from freescale.config import TransportConfig
-from freescale.transport.base import TransportError
+from freescale.transport.base import HIGH, NORMAL, TransportError
 from freescale.transport.registry import build_transport
 from helpers.spawn import run_ranks
 
@@ -269,3 +269,45 @@ def _pool_reuse(rank, world):
 
 def test_results_reuse_only_released_buffers():
     run_ranks(2, _pool_reuse)
+
+
+def _lanes(rank, world, kind, local_path):
+    cfg = TransportConfig(kind=kind, local_path=local_path, chunk_kib=4, slots=2, timeout_s=10)
+    t = build_transport(cfg, lanes=2)
+    big = torch.arange(1 << 16, dtype=torch.float64) + rank * 1e9  # 512 KiB: many ring chunks, or mapped
+    small = torch.tensor([rank * 10.0 + j for j in range(world)])
+    splits, ones = [big.numel() // world] * world, [1] * world
+    if rank == 0:
+        # The big one is in flight (its peer has not issued it yet) when the small one is issued.
+        normal = t.all_to_all_single(big, splits, splits)
+        time.sleep(0.1)
+        high = t.all_to_all_single(small, ones, ones, lane=HIGH)
+        got_high = high.wait()
+        assert not normal.completed()  # the small one passed it
+        got_normal = normal.wait()
+    else:
+        # The peer issues the small one first, and the big one only once the small one is done.
+        got_high = t.all_to_all_single(small, ones, ones, lane=HIGH).wait()
+        time.sleep(0.2)
+        got_normal = t.all_to_all_single(big, splits, splits).wait()
+    ref_high, ref_normal = torch.empty_like(small), torch.empty_like(big)
+    dist.all_to_all_single(ref_high, small)
+    dist.all_to_all_single(ref_normal, big)
+    assert torch.equal(got_high, ref_high) and torch.equal(got_normal, ref_normal)
+    # Lanes are numbered per lane on every rank: issued in another order across lanes, they still pair up.
+    order = [(HIGH, small + 100), (NORMAL, small)]
+    handles = {lane: t.all_to_all_single(x, ones, ones, lane=lane)
+               for lane, x in (order if rank == 0 else order[::-1])}
+    assert handles[HIGH].wait().tolist() == [r * 10.0 + rank + 100 for r in range(world)]
+    assert handles[NORMAL].wait().tolist() == [r * 10.0 + rank for r in range(world)]
+    t.close()
+    one = build_transport(cfg)
+    with pytest.raises(TransportError, match="lane 1 does not exist"):
+        one.all_to_all_single(small, [1] * world, [1] * world, lane=HIGH)
+    one.close()
+
+
+@pytest.mark.parametrize("kind,local_path", [("torch_dist", "auto"), ("host_staged", "shm_ring"),
+                                             ("host_staged", "mapped")])
+def test_a_high_priority_collective_passes_a_large_normal_one(kind, local_path):
+    run_ranks(2, _lanes, kind, local_path)

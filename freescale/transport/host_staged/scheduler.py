@@ -65,6 +65,9 @@ class Handle:
             raise TransportError(f"host_staged {self.op}: {self.error}") from self.error
         return self.finish()
 
+    def completed(self) -> bool:
+        return self.done.is_set()
+
     def complete(self, error: BaseException | None = None) -> bool:
         """Settle the handle once (success, or ``error``); whether this call settled it."""
         with self._settle:
