@@ -14,7 +14,7 @@ from freescale.model.sharding import build_dense_optimizer
 from freescale.profile.timeline import NullTimeline
 from freescale.train.pipelines import build_pipeline
 from freescale.transport.base import HIGH, NORMAL
-from helpers.launch import FAST, QUICKSTART, check, freescale, torchrun
+from helpers.launch import FAST, QUICKSTART, check, freescale, metrics, torchrun
 from helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -156,3 +156,17 @@ def test_verify_cli_is_bitwise_with_the_balancer_on(tmp_path):
 def test_verify_cli_refuses_a_single_step():
     proc = freescale("verify", "--config", str(QUICKSTART), "--steps=1")
     assert proc.returncode == 2 and "--steps: expected at least 2" in proc.stderr
+
+
+def test_training_runs_of_both_pipelines_log_the_same_losses_and_evaluations(tmp_path):
+    # Evaluation in mid-run reads the tables: the pipeline drains its deferred updates first.
+    runs = {}
+    for pipeline in ("sync", "prioritized"):
+        run_dir = tmp_path / pipeline
+        check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=7", "--train.eval_every=3",
+                       f"--train.pipeline={pipeline}", f"--run.dir={run_dir}"))
+        runs[pipeline] = [{k: v for k, v in r.items() if not k.startswith(("throughput", "time"))}
+                          for r in metrics(run_dir)]
+    evals = [r for r in runs["sync"] if "eval/auc" in r]
+    assert [r["step"] for r in evals] == [3, 6, 7]
+    assert runs["prioritized"] == runs["sync"]
