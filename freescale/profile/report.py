@@ -38,6 +38,10 @@ PHASE_COLORS = {
     "backward": "#f39c12",
     "optimizer": "#27ae60",
     "injected_delay": "#e74c3c",
+    "collision_wait": "#c0392b",
+    "exclusive_wait": "#d35400",
+    "flags_wait": "#7f8c8d",
+    "id_wait": "#8e44ad",
 }
 PART_COLORS = {"compute": "#2e86de", "straggler bubble": "#e74c3c", "exposed comm": "#8e44ad", "data wait": "#9e9e9e"}
 
@@ -51,6 +55,7 @@ def analyze(run_dir: str, warmup_steps: int | None = None) -> dict:
     if not rank_steps:
         raise ValueError(f"{run_dir}: the ranks' timelines share no complete step")
     result = summarize(rank_steps, warmup_steps)
+    result["summary"].update(_embedding_measures(steps, result["summary"]))
     result["run_dir"] = run_dir
     result["ranks_meta"] = [metas.get(r, {}) for r in sorted(steps)]
     result["rank_steps"] = as_rows(rank_steps)
@@ -75,6 +80,24 @@ def write_report(run_dir: str, *, warmup_steps: int | None = None, gantt_steps: 
     path = os.path.join(out, "report.json")
     write_text_atomic(path, json.dumps(_public(data), indent=2))
     return path
+
+
+_WAITS = ("collision_wait", "exclusive_wait", "flags_wait", "id_wait")
+
+
+def _embedding_measures(steps: dict[int, list[dict]], summary: dict) -> dict:
+    """Collision rate and the embedding pipelines' waits over the summarized steps (runs of the
+    pipelines over FreeScale's own tables; nothing for the others)."""
+    first, last = summary["first_step"], summary["last_step"]
+    records = [rec for recs in steps.values() for rec in recs if first <= rec["step"] <= last]
+    if not any("read_rows" in rec for rec in records):
+        return {}
+    read = sum(rec.get("read_rows", 0) for rec in records)
+    out = {"collision_rate": round(sum(rec.get("collision_rows", 0) for rec in records) / read, 6) if read else 0.0}
+    for kind in _WAITS:
+        total = sum(t1 - t0 for rec in records for k, t0, t1 in rec["spans"] if k == kind)
+        out[f"{kind}_ms_per_step"] = round(1000.0 * total / len(records), 3)
+    return out
 
 
 def write_comparison(run_a: str, run_b: str, *, out_dir: str | None = None, warmup_steps: int | None = None) -> str:
@@ -111,7 +134,7 @@ def _plot_gantt(data: dict, window: int):
             ax.barh(y, 1000 * (rec["end"] - rec["start"]), left=1000 * (rec["start"] - t0), height=0.8,
                     color="#fdecea", edgecolor="#c0392b", linewidth=0.6)
             for kind, s, e in rec["spans"]:
-                nested = kind in ("input_dist", "injected_delay")
+                nested = kind in ("input_dist", "injected_delay", *_WAITS)
                 ax.barh(y + (0.2 if nested else 0), 1000 * (e - s), left=1000 * (s - t0), height=0.35 if nested else 0.6,
                         color=PHASE_COLORS.get(kind, "#34495e"))
             ax.text(1000 * (rec["start"] - t0), y + 0.45, f"{rec['step']}", fontsize=7, va="bottom")
@@ -210,6 +233,9 @@ _SUMMARY_LABELS = {
     "straggler_bubble_ms_max": "straggler bubble max (ms)",
     "exposed_comm_ms_per_step": "exposed communication (ms/step)",
     "data_wait_ms_per_step": "data wait (ms/step)",
+    "collision_rate": "collision rate (rows batch i+1 reads that batch i writes)",
+    "collision_wait_ms_per_step": "collision rows and gradients wait (ms/step)",
+    "exclusive_wait_ms_per_step": "exclusive rows and deferred gradients wait (ms/step)",
     "steps": "steps (after warm-up)",
     "ranks": "ranks",
 }
@@ -243,7 +269,7 @@ def _per_rank_table(per_rank: list[dict]) -> str:
 
 def _html_single(data: dict, out: str, images: list[str]) -> str:
     s = data["summary"]
-    rows = [[label, s[key]] for key, label in _SUMMARY_LABELS.items()]
+    rows = [[label, s[key]] for key, label in _SUMMARY_LABELS.items() if key in s]
     body = [f"<h1>Bubble report: {html.escape(_title(data['run_dir']))}</h1>",
             f"<p>Steps {s['first_step']}-{s['last_step']} after {s['warmup_steps']} warm-up steps, {s['ranks']} ranks. "
             "Straggler bubble: time a rank waits for slower peers; exposed communication: the rest of its waiting.</p>",
@@ -254,6 +280,8 @@ def _html_single(data: dict, out: str, images: list[str]) -> str:
 
 def _html_compare(a: dict, b: dict, ratios: dict, out: str) -> str:
     rows = [[_SUMMARY_LABELS.get(k, k), a["summary"][k], b["summary"][k], ratios[k]] for k in _COMPARED]
+    rows += [[_SUMMARY_LABELS[k], a["summary"].get(k, "-"), b["summary"].get(k, "-"), ""]
+             for k in ("collision_rate",) if k in a["summary"] or k in b["summary"]]
     body = [f"<h1>Bubble comparison</h1><p>A: {html.escape(a['run_dir'])}<br>B: {html.escape(b['run_dir'])}</p>",
             _table(["measure", "A", "B", "B / A"], rows),
             "<h2>Per rank, A</h2>", _per_rank_table(a["per_rank"]), "<h2>Per rank, B</h2>", _per_rank_table(b["per_rank"]),

@@ -328,9 +328,10 @@ def _write_bubble_report(run_dir: str, cfg: ExperimentConfig, log: logging.Logge
     path = write_report(run_dir, warmup_steps=cfg.profile.warmup_steps, gantt_steps=cfg.profile.gantt_steps)
     with open(path) as f:
         summary = json.load(f)["summary"]
+    collision = (f" | collision rate {100 * summary['collision_rate']:.1f}%" if "collision_rate" in summary else "")
     log.info(f"bubbles: fraction {summary['bubble_fraction']:.3f} | straggler {summary['straggler_pct']:.1f}% | "
              f"exposed comm {summary['exposed_comm_ms_per_step']:.1f} ms/step | data wait "
-             f"{summary['data_wait_ms_per_step']:.1f} ms/step -> {os.path.dirname(path)}/report.html")
+             f"{summary['data_wait_ms_per_step']:.1f} ms/step{collision} -> {os.path.dirname(path)}/report.html")
     return summary
 
 

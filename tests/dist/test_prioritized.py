@@ -1,6 +1,8 @@
 """The prioritized pipeline against synchronous updates of the same tables, bit for bit, on 2
 gloo ranks; its schedule (what goes early, what goes on the high lane); ``freescale verify``."""
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -170,3 +172,22 @@ def test_training_runs_of_both_pipelines_log_the_same_losses_and_evaluations(tmp
     evals = [r for r in runs["sync"] if "eval/auc" in r]
     assert [r["step"] for r in evals] == [3, 6, 7]
     assert runs["prioritized"] == runs["sync"]
+
+
+def test_the_report_shows_the_collision_rate_the_hot_items_set(tmp_path):
+    big = ["--data.synthetic.num_items=2000000", "--data.synthetic.hot_items=64", "--train.pipeline=prioritized",
+           "--train.steps=8", "--profile.enable=true", "--profile.warmup_steps=2"]
+    rates = {}
+    for p in (0.0, 1.0):
+        run_dir = tmp_path / f"hot{p}"
+        check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *big, f"--data.synthetic.hot_prob={p}",
+                       f"--run.dir={run_dir}"))
+        report = json.loads((run_dir / "report" / "report.json").read_text())
+        rates[p] = report["summary"]["collision_rate"]
+        # The rate is the profile's counts: collision rows over rows read, every rank, steps after warm-up.
+        records = [json.loads(line) for r in (0, 1) for line in (run_dir / "profile" / f"rank{r}.jsonl").open()]
+        counted = [rec for rec in records if rec.get("step", 0) > 2]
+        expected = sum(r["collision_rows"] for r in counted) / sum(r["read_rows"] for r in counted)
+        assert rates[p] == pytest.approx(expected, abs=1e-6)
+        assert "collision rate" in (run_dir / "report" / "report.html").read_text()
+    assert rates[0.0] < 0.02 and rates[1.0] > 0.9

@@ -90,3 +90,27 @@ def test_planted_signal_is_in_the_history():
 def test_rejects_more_clusters_than_items():
     with pytest.raises(ValueError, match="num_items"):
         source(num_items=4, num_clusters=8)
+
+
+def _shared_share(s, batch=64, batches=8):
+    """Mean share of a batch's distinct items that the batch before it also has."""
+    shares = []
+    for k in range(1, batches):
+        prev = s.samples_at(np.arange((k - 1) * batch, k * batch))
+        cur = s.samples_at(np.arange(k * batch, (k + 1) * batch))
+        a = set(np.concatenate([prev.uih_values, prev.cand_values]).tolist())
+        b = set(np.concatenate([cur.uih_values, cur.cand_values]).tolist())
+        shares.append(len(a & b) / len(b))
+    return float(np.mean(shares))
+
+
+def test_hot_items_set_the_share_of_rows_consecutive_batches_have_in_common():
+    big = dict(num_items=2_000_000, hot_items=256, median_uih_len=16.0, tail_prob=0.0)
+    shares = [_shared_share(source(hot_prob=p, **big)) for p in (0.0, 0.2, 0.6, 1.0)]
+    assert shares[0] < 0.01  # millions of rows, drawn uniformly: hardly any in common
+    assert shares == sorted(shares) and shares[-1] > 0.9
+    s = source(hot_prob=1.0, **big).samples_at(np.arange(256))
+    within = np.concatenate([s.uih_values, s.cand_values]) // 16  # index within the item's cluster
+    assert within.max() < 256 // 16  # every item is one of its cluster's hot ones
+    # The knob off leaves the stream as it was.
+    assert_same(source(hot_items=256).samples_at(np.arange(300)), source().samples_at(np.arange(300)))
