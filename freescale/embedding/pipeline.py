@@ -97,17 +97,25 @@ def build_owned_model(cfg, *, num_items: int, max_uih_len: int, topology, seed: 
     return OwnedModel(sharded, SeqRecTask(cfg.model, max_uih_len), cfg.model.user_features)
 
 
-def all_reduce_dense(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Average the dense gradients over the replica (one flat all-reduce, the same on every rank)."""
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    at = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[at:at + n].view_as(g).clone()
-        at += n
+class DenseReduction:
+    """The dense gradients averaged over the replica: one flat all-reduce (the same on every
+    rank), started at once; ``wait`` puts the averages in the gradients."""
+
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+        self.params = params
+        self.grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        self.flat = torch.cat([g.reshape(-1) for g in self.grads])
+        self.world_size = dist.get_world_size(group)
+        self.work = dist.all_reduce(self.flat, group=group, async_op=True)
+
+    def wait(self) -> None:
+        self.work.wait()
+        self.flat /= self.world_size
+        at = 0
+        for p, g in zip(self.params, self.grads):
+            n = g.numel()
+            p.grad = self.flat[at:at + n].view_as(g).clone()
+            at += n
 
 
 @dataclass
@@ -118,6 +126,7 @@ class _Staged:
     pending: PendingRoute
     route: Route | None = None
     rows: torch.Tensor | None = None  # the batch's rows in batch order, once assembled
+    looked_up: torch.Tensor | None = None  # the owner's tracked lookup of the rows asked for (its backward updates them)
     # Set when the next batch is known: which of this batch's ids (owner-major, as sent) and of
     # the ids it received (shard-major, as owner) are collision rows.
     sent_collide: torch.Tensor | None = None
@@ -130,11 +139,13 @@ class _Staged:
 
 
 class _Deferred:
-    """Gradients of rows the next batch does not read, on their way to their owners."""
+    """Gradients of rows the next batch does not read, on their way to their owners: applied
+    through the batch's tracked lookup, zero for the rows already updated."""
 
-    def __init__(self, handle, ids: torch.Tensor) -> None:
+    def __init__(self, handle, looked_up: torch.Tensor, positions: torch.Tensor) -> None:
         self.handle = handle
-        self.ids = ids
+        self.looked_up = looked_up
+        self.positions = positions  # where the gradients go among the rows looked up
 
 
 class EmbeddingPipeline:
@@ -165,7 +176,7 @@ class EmbeddingPipeline:
             self._started = True
             first = next(batches)
             self._cur = self._stage(first)
-            self._cur.rows = self._lookup_all(self._cur)
+            self._cur.rows = self._lookup_all(self._cur, track=True)
             self._next = self._stage(next(batches, None))
         if self._cur is None:
             raise StopIteration
@@ -174,66 +185,76 @@ class EmbeddingPipeline:
 
     def _sync_step(self, batch: Batch):
         staged = self._stage(batch)
-        rows = self._lookup_all(staged)
+        rows = self._lookup_all(staged, track=True)
         loss, out, grads = self._forward_backward(staged.batch, rows)
         route = staged.route
         with self.timeline.span("collision_wait"):
-            got = self.transport.all_to_all_single(grads[route.order], route.send_counts, route.recv_counts).wait()
-        self.tables.update(route.ids, got)
+            got = self.transport.all_to_all_single(route.to_owner(grads), route.send_counts, route.recv_counts).wait()
+        self.tables.update_looked_up(staged.looked_up, got)
         self._dense_step()
         return out
 
     def _prioritized_step(self, batches: Iterator):
         cur, nxt, tables = self._cur, self._next, self.tables
-        # 1. Batch i-1's deferred gradients, before anything reads those rows.
-        self._apply_deferred()
-        # The batch after next: its id exchange starts now and ends during the next step.
+        # The batch after next: its id exchange starts now and ends during this step.
         after = self._stage(next(batches, None), wait=False) if nxt is not None else None
-        exclusive = None
-        if nxt is not None:
-            # 2. Split batch i+1's rows at their owners, tell the senders, send the exclusive rows early.
-            self._split(cur, nxt)
-            keep = ~nxt.owned_collide
-            early = tables.lookup(nxt.route.ids[keep])
-            exclusive = self.transport.all_to_all_single(
-                early, _per_rank(nxt.route.recv_counts, keep), _per_owner(nxt.route, ~nxt.sent_collide),
-                lane=NORMAL)
-        if after is not None:
-            after.pending.send()
+        early = flags = None
+
+        def between_forward_and_backward() -> None:
+            nonlocal early, flags
+            # 1. Batch i-1's deferred gradients (their exchange overlapped the forward), before
+            # anything reads those rows: the early lookup below is this step's first read.
+            self._apply_deferred()
+            if nxt is not None:
+                # 2. Split batch i+1's rows at their owners and tell the senders (needed after
+                # the backward); send every row i+1 reads now, overlapped with the backward.
+                # The collision rows among them are sent again once batch i has updated them.
+                flags = self._split(cur, nxt)
+                route = nxt.route
+                nxt.looked_up = tables.lookup(route.ids, track=True)
+                early = self.transport.all_to_all_single(nxt.looked_up.detach(), route.recv_counts,
+                                                         route.send_counts, lane=NORMAL)
+
         # Batch i's forward and backward, on the rows assembled last step.
-        loss, out, grads = self._forward_backward(cur.batch, cur.rows)
+        loss, out, grads = self._forward_backward(cur.batch, cur.rows, between=between_forward_and_backward)
+        dense = self._reduce_dense()
+        if after is not None:
+            with self.timeline.span("id_wait"):
+                after.pending.send()
         route = cur.route
-        sent = grads[route.order]
+        sent = route.to_owner(grads)
         if nxt is None:
             # End of the data: nothing reads ahead, every row is updated now.
             with self.timeline.span("collision_wait"):
                 got = self.transport.all_to_all_single(sent, route.send_counts, route.recv_counts).wait()
-            tables.update(route.ids, got)
+            tables.update_looked_up(cur.looked_up, got)
         else:
+            self._take_flags(cur, nxt, flags)
             # 3. Collision gradients first; then the rest of batch i's gradients, deferred.
             hot = cur.sent_collide
             collision = self.transport.all_to_all_single(
-                sent[hot], _per_owner(route, hot), _per_rank(route.recv_counts, cur.owned_collide), lane=HIGH)
-            rest = self.transport.all_to_all_single(
-                sent[~hot], _per_owner(route, ~hot), _per_rank(route.recv_counts, ~cur.owned_collide), lane=NORMAL)
-            self._deferred = _Deferred(rest, route.ids[~cur.owned_collide])
+                _take(sent, hot), _per_owner(route, hot), _per_rank(route.recv_counts, cur.owned_collide), lane=HIGH)
             with self.timeline.span("collision_wait"):
                 got = collision.wait()
-            tables.update(route.ids[cur.owned_collide], got)
-            # The owners send batch i+1's collision rows, now updated.
+            tables.update(_take(route.ids, cur.owned_collide), got)
+            # The owners send batch i+1's collision rows, now updated; then the deferred gradients
+            # (after: nothing large competes with the collision exchange for the wire or the CPU).
             hot_next = nxt.owned_collide
             late = self.transport.all_to_all_single(
-                tables.lookup(nxt.route.ids[hot_next]), _per_rank(nxt.route.recv_counts, hot_next),
+                tables.lookup(_take(nxt.route.ids, hot_next)), _per_rank(nxt.route.recv_counts, hot_next),
                 _per_owner(nxt.route, nxt.sent_collide), lane=HIGH)
-        self._dense_step()
+            rest = self.transport.all_to_all_single(
+                _take(sent, ~hot), _per_owner(route, ~hot), _per_rank(route.recv_counts, ~cur.owned_collide),
+                lane=NORMAL)
+            self._deferred = _Deferred(rest, cur.looked_up, (~cur.owned_collide).nonzero().squeeze(1))
+        self._dense_step(dense)
         if nxt is not None:
-            with self.timeline.span("collision_wait"):
-                late_rows = late.wait()
             with self.timeline.span("exclusive_wait"):
-                early_rows = exclusive.wait()
-            owner_major = early_rows.new_empty((nxt.sent_collide.numel(), tables.dim))
-            owner_major[nxt.sent_collide] = late_rows
-            owner_major[~nxt.sent_collide] = early_rows
+                owner_major = early.wait()
+            with self.timeline.span("collision_wait"):
+                fresh = late.wait()
+            if fresh.numel():
+                owner_major.index_copy_(0, nxt.sent_collide.nonzero().squeeze(1), fresh)
             nxt.rows = nxt.route.to_batch(owner_major)
         self._cur, self._next = nxt, after
         if self._cur is not None and self._next is None:
@@ -251,64 +272,79 @@ class EmbeddingPipeline:
                 staged.wait_route()
         return staged
 
-    def _lookup_all(self, staged: _Staged) -> torch.Tensor:
-        """The batch's rows, every one looked up now (the sync path, and the first batch)."""
+    def _lookup_all(self, staged: _Staged, track: bool = False) -> torch.Tensor:
+        """The batch's rows, every one looked up now (the sync path, the first batch, evaluation)."""
         route = staged.wait_route()
+        looked_up = self.tables.lookup(route.ids, track=track)
+        staged.looked_up = looked_up if track else None
         with self.timeline.span("exclusive_wait"):
-            got = self.transport.all_to_all_single(self.tables.lookup(route.ids), route.recv_counts,
-                                                   route.send_counts).wait()
+            got = self.transport.all_to_all_single(looked_up.detach(), route.recv_counts, route.send_counts).wait()
         return route.to_batch(got)
 
-    def _split(self, cur: _Staged, nxt: _Staged) -> None:
-        """Collision rows of (cur, nxt) at this owner, and the flags every sender needs."""
+    def _split(self, cur: _Staged, nxt: _Staged):
+        """Collision rows of (cur, nxt) at this owner; the flags every sender needs, on their way."""
         with self.timeline.span("id_wait"):
             nxt_route = nxt.wait_route()
         cur_route = cur.route
         split = split_rows(cur_route.ids, nxt_route.ids)
         cur.owned_collide = in_rows(cur_route.ids, split.collision)
         nxt.owned_collide = in_rows(nxt_route.ids, split.collision)
-        self.collision_rates.append(self._global_rate(len(split.collision), len(split.collision) + len(split.exclusive)))
-        # Flags back to the senders, per sender: its batch-i ids, then its batch-(i+1) ids.
+        self.collision_rates.append(self._note_rate(len(split.collision), len(split.collision) + len(split.exclusive)))
+        # Per sender: flags for its batch-i ids, then for its batch-(i+1) ids.
         W = self.tables.world_size
         cur_parts = torch.split(cur.owned_collide, cur_route.recv_counts)
         nxt_parts = torch.split(nxt.owned_collide, nxt_route.recv_counts)
         flags = torch.cat([torch.cat([cur_parts[r], nxt_parts[r]]) for r in range(W)]).to(torch.uint8)
         back = [cur_route.send_counts[r] + nxt_route.send_counts[r] for r in range(W)]
         ins = [cur_route.recv_counts[r] + nxt_route.recv_counts[r] for r in range(W)]
-        handle = self.transport.all_to_all_single(flags, ins, back, lane=HIGH)
+        return self.transport.all_to_all_single(flags, ins, back, lane=HIGH)
+
+    def _take_flags(self, cur: _Staged, nxt: _Staged, handle) -> None:
+        """Which of this rank's ids of batch i and i+1 (owner-major) are collision rows."""
+        W = self.tables.world_size
         with self.timeline.span("flags_wait"):
             got = handle.wait().bool()
-        parts = torch.split(got, back)
-        cur.sent_collide = torch.cat([parts[r][:cur_route.send_counts[r]] for r in range(W)])
-        nxt.sent_collide = torch.cat([parts[r][cur_route.send_counts[r]:] for r in range(W)])
+        sent = cur.route.send_counts
+        parts = torch.split(got, [sent[r] + nxt.route.send_counts[r] for r in range(W)])
+        cur.sent_collide = torch.cat([parts[r][:sent[r]] for r in range(W)])
+        nxt.sent_collide = torch.cat([parts[r][sent[r]:] for r in range(W)])
 
-    def _global_rate(self, collision: int, read: int) -> float:
-        """Collision rows / rows read over every owner (what the step's record shows)."""
+    def _note_rate(self, collision: int, read: int) -> float:
+        """This owner's collision rows / rows read; the step's record gets both counts."""
         self.timeline.note("collision_rows", collision)
         self.timeline.note("read_rows", read)
         return collision / read if read else 0.0
 
-    def _forward_backward(self, batch: Batch, rows: torch.Tensor):
+    def _forward_backward(self, batch: Batch, rows: torch.Tensor, between=None):
         leaf = rows.detach().requires_grad_()
         with self.timeline.span("forward"):
             loss, out = self.model.dense(batch, leaf)
+        if between is not None:
+            between()
         with self.timeline.span("backward"):
             loss.backward()
         grads = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         return loss, out, grads
 
-    def _dense_step(self) -> None:
+    def _reduce_dense(self):
+        """Start averaging the dense gradients over the replica."""
+        return DenseReduction(self.dense_params, self.group)
+
+    def _dense_step(self, reduction: "DenseReduction | None" = None) -> None:
+        reduction = reduction or self._reduce_dense()
         with self.timeline.span("optimizer"):
-            all_reduce_dense(self.dense_params, self.group)
+            reduction.wait()
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
 
     def _apply_deferred(self) -> None:
         if self._deferred is not None:
+            deferred, self._deferred = self._deferred, None
             with self.timeline.span("exclusive_wait"):
-                got = self._deferred.handle.wait()
-            self.tables.update(self._deferred.ids, got)
-            self._deferred = None
+                got = deferred.handle.wait()
+            grads = got.new_zeros(deferred.looked_up.shape)
+            grads.index_copy_(0, deferred.positions, got)
+            self.tables.update_looked_up(deferred.looked_up, grads)
 
     def drain(self) -> None:
         """Apply every deferred update: the tables then hold what synchronous training would."""
@@ -324,6 +360,11 @@ class EmbeddingPipeline:
                 yield lambda batch: self.model.dense(batch, self._lookup_all(self._stage(batch)))
         finally:
             self.model.train()
+
+
+def _take(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The rows ``mask`` keeps, in order (a gather by index: faster than boolean indexing)."""
+    return rows.index_select(0, mask.nonzero().squeeze(1))
 
 
 def _per_owner(route: Route, mask: torch.Tensor) -> list[int]:

@@ -134,13 +134,11 @@ def _schedule(rank, world):
     assert len(forwards) == 8
     rows = [(i, e[1]) for i, e in enumerate(log) if e[0] == "a2a" and e[2] == (8,)]  # embedding rows and gradients
     for j in range(1, 7):  # the steps with a batch after them
-        before = [lane for i, lane in rows if forwards[j - 1] < i < forwards[j]]
         after = [lane for i, lane in rows if forwards[j] < i < forwards[j + 1]]
-        # The last exchange of rows before a step's forward: the next batch's exclusive rows, normal lane.
-        assert before[-1] == NORMAL, (j, before)
-        # After its backward: collision gradients (high), the other gradients (normal, deferred),
-        # the next batch's collision rows (high).
-        assert after[:3] == [HIGH, NORMAL, HIGH], (j, after)
+        # After a step's forward: the next batch's rows (normal lane, while the backward runs);
+        # after its backward (it needs the gradients): the collision gradients and then the
+        # next batch's collision rows (high lane), and the other gradients (normal, deferred).
+        assert after == [NORMAL, HIGH, HIGH, NORMAL], (j, after)
 
 
 def test_exclusive_rows_go_early_and_collision_rows_on_the_high_lane():

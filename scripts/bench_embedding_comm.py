@@ -1,0 +1,199 @@
+"""Benchmark of prioritized embedding communication against TorchRec's TrainPipelineSparseDist.
+
+    .venv/bin/python scripts/bench_embedding_comm.py [--ranks 2 4] [--repeats 3] [--steps 40]
+        [--rates 0 1 5 20 50 100] [--transport host_staged] [--set section.key=value ...]
+
+Every run is a real ``torchrun`` job of ``configs/bench_embedding.yaml`` (a 2M-row item table of
+512-float rows projected to a 32-wide model, so the embedding exchanges are a real share of
+the step) with bubble profiling on; the variants alternate within each repetition:
+
+(a) at a low collision rate (``data.synthetic.hot_prob`` 0: about 0.5% of rows), on each rank
+    count: ``sparse_dist`` (TorchRec's pipeline) and ``prioritized`` (FreeScale's own tables,
+    collision rows first). Per run: exposed communication per step and step time from the
+    bubble report, samples/s, the measured collision rate; then the means with the spread
+    (min-max) and the ratios. For the baseline, the share of its step that exposed
+    communication takes.
+(b) a sweep over the collision rate (targets in percent of the rows batch i+1 reads that batch i
+    writes; the hot-item probability that gives each is found from the data first), both
+    pipelines at each rate on the first rank count: how exposed communication grows with it.
+
+Results go to ``runs/bench_embedding_comm.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from freescale.config import load_config  # noqa: E402
+from freescale.data.loader import build_sources  # noqa: E402
+from freescale.io import write_json_atomic  # noqa: E402
+
+CONFIG = os.path.join(REPO, "configs", "bench_embedding.yaml")
+VARIANTS = ("sparse_dist", "prioritized")
+
+
+def collision_rate(hot_prob: float, ranks: int, overrides: list[str], batches: int = 6) -> float:
+    """The item-row collision rate of consecutive global batches at ``hot_prob`` (from the data alone)."""
+    cfg = load_config(CONFIG, [*overrides, f"--data.synthetic.hot_prob={hot_prob}"])
+    source, _ = build_sources(cfg.data, cfg.run.seed)
+    n = cfg.data.batch_size * ranks
+    rows = []
+    for k in range(batches + 1):
+        s = source.samples_at(np.arange(k * n, (k + 1) * n))
+        rows.append(np.unique(np.concatenate([s.uih_values, s.cand_values])))
+    return float(np.mean([np.isin(b, a).mean() for a, b in zip(rows, rows[1:])]))
+
+
+def hot_prob_for(target: float, ranks: int, overrides: list[str]) -> float:
+    """The hot-item probability whose collision rate is closest to ``target`` (bisection)."""
+    if target <= 0:
+        return 0.0
+    if target >= 1:
+        return 1.0
+    lo, hi = 0.0, 1.0
+    for _ in range(14):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if collision_rate(mid, ranks, overrides) < target else (lo, mid)
+    return round((lo + hi) / 2, 5)
+
+
+def train_once(ranks: int, pipeline: str, steps: int, run_dir: str, extra: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m", "freescale",
+           "train", "--config", CONFIG, f"--run.dir={run_dir}", f"--train.pipeline={pipeline}",
+           f"--train.steps={steps}", *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"training failed ({pipeline}, {ranks} ranks):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    with open(os.path.join(run_dir, "report", "report.json")) as f:
+        summary = json.load(f)["summary"]
+    cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    step_ms = summary["step_ms"]
+    return {
+        "exposed_comm_ms": summary["exposed_comm_ms_per_step"],
+        "step_ms": step_ms,
+        "samples_per_s": round(cfg.data.batch_size * ranks / (step_ms / 1000.0), 1),
+        "straggler_ms": summary["straggler_bubble_ms_per_step"],
+        "compute_ms": summary["compute_ms_per_step"],
+        "collision_rate": summary.get("collision_rate"),
+        "collision_wait_ms": summary.get("collision_wait_ms_per_step"),
+    }
+
+
+def _stats(runs: list[dict], key: str) -> dict:
+    values = [r[key] for r in runs if r.get(key) is not None]
+    if not values:
+        return {"mean": None, "min": None, "max": None}
+    return {"mean": round(float(np.mean(values)), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def _show(s: dict, digits: int = 1) -> str:
+    if s["mean"] is None:
+        return "-"
+    return f"{s['mean']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def compare(ranks: int, repeats: int, steps: int, extra: list[str], tmp: str, label: str) -> dict:
+    runs = {v: [] for v in VARIANTS}
+    for rep in range(repeats):
+        for v in VARIANTS:
+            r = train_once(ranks, v, steps, os.path.join(tmp, f"{label}-{ranks}-{v}-{rep}"), extra)
+            runs[v].append(r)
+            rate = f"{100 * r['collision_rate']:.1f}%" if r["collision_rate"] is not None else "-"
+            print(f"  rep {rep} {v:<12} exposed comm {r['exposed_comm_ms']:6.2f} ms | step {r['step_ms']:7.1f} ms | "
+                  f"{r['samples_per_s']:8.1f} samples/s | collision rate {rate}", flush=True)
+    stats = {v: {k: _stats(runs[v], k) for k in ("exposed_comm_ms", "step_ms", "samples_per_s", "compute_ms",
+                                                  "collision_rate")} for v in VARIANTS}
+    base, ours = stats["sparse_dist"], stats["prioritized"]
+    return {
+        "ranks": ranks, "runs": runs, "stats": stats,
+        "exposed_comm_reduction_x": round(base["exposed_comm_ms"]["mean"] / max(ours["exposed_comm_ms"]["mean"], 1e-9), 2),
+        "samples_per_s_ratio": round(ours["samples_per_s"]["mean"] / base["samples_per_s"]["mean"], 3),
+        "baseline_exposed_share": round(base["exposed_comm_ms"]["mean"] / base["step_ms"]["mean"], 3),
+        # The range of the ratio: the worst and best pairing of the repetitions.
+        "exposed_comm_reduction_range": [
+            round(base["exposed_comm_ms"]["min"] / max(ours["exposed_comm_ms"]["max"], 1e-9), 2),
+            round(base["exposed_comm_ms"]["max"] / max(ours["exposed_comm_ms"]["min"], 1e-9), 2)],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--rates", type=float, nargs="*", default=[0, 1, 5, 20, 50, 100],
+                        help="collision rates (percent) of the sweep; none to skip it")
+    parser.add_argument("--sweep-repeats", type=int, default=1)
+    parser.add_argument("--transport", default="host_staged", help="transport of the prioritized pipeline")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
+    parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_embedding_comm.json"))
+    args = parser.parse_args()
+
+    overrides = [f"--{kv.removeprefix('--')}" for kv in args.set]
+    extra = [*overrides, f"--transport.kind={args.transport}"]
+    cfg = load_config(CONFIG, overrides)
+    m = cfg.model
+    print(f"model: {cfg.data.synthetic.num_items:,} items x {m.embedding_dim} floats, d_model {m.d_model or m.embedding_dim}, "
+          f"{m.num_layers} layer(s); {cfg.data.batch_size} samples per rank, median UIH {cfg.data.synthetic.median_uih_len:g}; "
+          f"prioritized over {args.transport}; {args.steps} steps, {cfg.profile.warmup_steps} of warm-up")
+    started = time.time()
+    result = {"config": CONFIG, "overrides": overrides, "transport": args.transport, "steps": args.steps,
+              "repeats": args.repeats, "low_collision": [], "sweep": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for ranks in args.ranks:
+            print(f"\n(a) {ranks} CPU ranks, hot_prob 0 (collision rate ~{100 * collision_rate(0.0, ranks, overrides):.1f}%)")
+            row = compare(ranks, args.repeats, args.steps, extra, tmp, "low")
+            result["low_collision"].append(row)
+            _print_table(row)
+        if args.rates:
+            ranks = args.ranks[0]
+            print(f"\n(b) collision-rate sweep on {ranks} ranks")
+            for target in args.rates:
+                p = hot_prob_for(target / 100, ranks, overrides)
+                print(f" target {target:g}%: hot_prob {p} (data: {100 * collision_rate(p, ranks, overrides):.1f}%)")
+                row = compare(ranks, args.sweep_repeats, args.steps, [*extra, f"--data.synthetic.hot_prob={p}"], tmp,
+                              f"sweep{target:g}")
+                row.update(target_pct=target, hot_prob=p)
+                result["sweep"].append(row)
+            print("\n| target rate | measured rate | TorchRec exposed ms | prioritized exposed ms | reduction |")
+            print("|---|---|---|---|---|")
+            for row in result["sweep"]:
+                s = row["stats"]
+                print(f"| {row['target_pct']:g}% | {100 * s['prioritized']['collision_rate']['mean']:.1f}% | "
+                      f"{s['sparse_dist']['exposed_comm_ms']['mean']:.2f} | {s['prioritized']['exposed_comm_ms']['mean']:.2f} | "
+                      f"{row['exposed_comm_reduction_x']:.2f}x |")
+    result["seconds"] = round(time.time() - started, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_json_atomic(args.out, result)
+    print(f"\nwrote {args.out} ({result['seconds']} s)")
+
+
+def _print_table(row: dict) -> None:
+    s = row["stats"]
+    print(f"\n| pipeline ({row['ranks']} ranks) | exposed comm ms/step | step ms | samples/s | collision rate |")
+    print("|---|---|---|---|---|")
+    for v in VARIANTS:
+        rate = s[v]["collision_rate"]
+        rate_text = "-" if rate["mean"] is None else f"{100 * rate['mean']:.2f}%"
+        print(f"| {v} | {_show(s[v]['exposed_comm_ms'], 2)} | {_show(s[v]['step_ms'])} | {_show(s[v]['samples_per_s'])} "
+              f"| {rate_text} |")
+    lo, hi = row["exposed_comm_reduction_range"]
+    print(f"exposed communication: {row['exposed_comm_reduction_x']:.2f}x lower (range {lo:.2f}-{hi:.2f}x); "
+          f"samples/s ratio {row['samples_per_s_ratio']:.3f}; the baseline's exposed communication is "
+          f"{100 * row['baseline_exposed_share']:.0f}% of its step")
+
+
+if __name__ == "__main__":
+    main()
