@@ -39,6 +39,7 @@ from freescale.transport.base import NORMAL
 
 FUSED_OPTIMIZERS = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
 EPS = 1e-8  # fbgemm's default, what TorchRec's fused row-wise Adagrad passes it too
+INIT_CHUNK = 1 << 16  # rows drawn from one seed at initialization
 
 
 class Route(NamedTuple):
@@ -98,18 +99,20 @@ class ShardedTables(nn.Module):
     # Layout --------------------------------------------------------------------------------
 
     def _init_rows(self, std: float, seed: int) -> None:
-        """Normal(0, std) rows, each table drawn whole from ``seed`` (so any world size sees the
-        same values for the same global row)."""
+        """Normal(0, std) rows, drawn in fixed chunks of ``INIT_CHUNK`` rows seeded by (seed, table,
+        chunk): any world size sees the same value for the same global row, and a rank draws
+        only the chunks its block overlaps."""
         weight = self.weight
         with torch.no_grad():
-            for t, (n, b) in enumerate(zip(self.rows, self.blocks)):
+            for t, b in enumerate(self.blocks):
                 start, count = self.rank * b, self.local_rows[self.rank][t]
-                if not count:
-                    continue
-                gen = torch.Generator().manual_seed(seed * 1000003 + t)
-                full = torch.empty(n, self.dim).normal_(0.0, std, generator=gen)
                 at = int(self.local_starts[self.rank, t])
-                weight[at:at + count] = full[start:start + count]
+                for chunk in range(start // INIT_CHUNK, (start + count - 1) // INIT_CHUNK + 1 if count else 0):
+                    lo, hi = chunk * INIT_CHUNK, min((chunk + 1) * INIT_CHUNK, self.rows[t])
+                    gen = torch.Generator().manual_seed((seed * 1000003 + t) * 1000003 + chunk)
+                    rows = torch.empty(hi - lo, self.dim).normal_(0.0, std, generator=gen)
+                    a, z = max(lo, start), min(hi, start + count)
+                    weight[at + a - start:at + z - start] = rows[a - lo:z - lo]
 
     @property
     def weight(self) -> torch.Tensor:
