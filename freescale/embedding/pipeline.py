@@ -142,10 +142,10 @@ class _Deferred:
     """Gradients of rows the next batch does not read, on their way to their owners: applied
     through the batch's tracked lookup, zero for the rows already updated."""
 
-    def __init__(self, handle, looked_up: torch.Tensor, positions: torch.Tensor) -> None:
+    def __init__(self, handle, looked_up: torch.Tensor, positions: torch.Tensor | None) -> None:
         self.handle = handle
         self.looked_up = looked_up
-        self.positions = positions  # where the gradients go among the rows looked up
+        self.positions = positions  # where the gradients go among the rows looked up (None: all, in order)
 
 
 class EmbeddingPipeline:
@@ -243,10 +243,7 @@ class EmbeddingPipeline:
             late = self.transport.all_to_all_single(
                 tables.lookup(_take(nxt.route.ids, hot_next)), _per_rank(nxt.route.recv_counts, hot_next),
                 _per_owner(nxt.route, nxt.sent_collide), lane=HIGH)
-            rest = self.transport.all_to_all_single(
-                _take(sent, ~hot), _per_owner(route, ~hot), _per_rank(route.recv_counts, ~cur.owned_collide),
-                lane=NORMAL)
-            self._deferred = _Deferred(rest, cur.looked_up, (~cur.owned_collide).nonzero().squeeze(1))
+            self._deferred = self._send_deferred(cur, sent)
         self._dense_step(dense)
         if nxt is not None:
             with self.timeline.span("exclusive_wait"):
@@ -309,6 +306,33 @@ class EmbeddingPipeline:
         cur.sent_collide = torch.cat([parts[r][:sent[r]] for r in range(W)])
         nxt.sent_collide = torch.cat([parts[r][sent[r]:] for r in range(W)])
 
+    def _send_deferred(self, cur: _Staged, sent: torch.Tensor) -> "_Deferred":
+        """Send batch i's gradients other than the collision rows' (normal lane, applied next step).
+
+        Between a sender and an owner with few collision rows among the ids of the pair (at most
+        half), the whole block goes, its collision rows zeroed: the owner applies it as it comes,
+        and a zero row leaves its row as the collision update made it. With more, only the other
+        rows go, and the owner puts them in place. Both ends count the pair's collision rows alike.
+        """
+        route, W = cur.route, self.tables.world_size
+        hot_sent = _per_owner(route, cur.sent_collide)
+        hot_owned = _per_rank(route.recv_counts, cur.owned_collide)
+        whole_out = [2 * h <= n for h, n in zip(hot_sent, route.send_counts)]
+        whole_in = [2 * h <= n for h, n in zip(hot_owned, route.recv_counts)]
+        # The sender's payload: whole blocks with zeroed collision rows, or the other rows alone.
+        zero = cur.sent_collide & torch.tensor(whole_out)[route.owners]
+        if zero.any():
+            sent.index_fill_(0, zero.nonzero().squeeze(1), 0.0)
+        keep = ~cur.sent_collide | torch.tensor(whole_out)[route.owners]
+        payload = sent if bool(keep.all()) else _take(sent, keep)
+        outs = [n if w else n - h for n, h, w in zip(route.send_counts, hot_sent, whole_out)]
+        ins = [n if w else n - h for n, h, w in zip(route.recv_counts, hot_owned, whole_in)]
+        handle = self.transport.all_to_all_single(payload, outs, ins, lane=NORMAL)
+        # Where the owner puts what arrives among the rows it looked up (None: as it comes).
+        sources = torch.repeat_interleave(torch.arange(W), torch.tensor(route.recv_counts))
+        placed = ~cur.owned_collide | torch.tensor(whole_in, dtype=torch.bool)[sources]
+        return _Deferred(handle, cur.looked_up, None if bool(placed.all()) else placed.nonzero().squeeze(1))
+
     def _note_rate(self, collision: int, read: int) -> float:
         """This owner's collision rows / rows read; the step's record gets both counts."""
         self.timeline.note("collision_rows", collision)
@@ -342,8 +366,11 @@ class EmbeddingPipeline:
             deferred, self._deferred = self._deferred, None
             with self.timeline.span("exclusive_wait"):
                 got = deferred.handle.wait()
-            grads = got.new_zeros(deferred.looked_up.shape)
-            grads.index_copy_(0, deferred.positions, got)
+            if deferred.positions is None:
+                grads = got
+            else:
+                grads = got.new_zeros(deferred.looked_up.shape)
+                grads.index_copy_(0, deferred.positions, got)
             self.tables.update_looked_up(deferred.looked_up, grads)
 
     def drain(self) -> None:
