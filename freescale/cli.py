@@ -222,7 +222,7 @@ def _train(cfg) -> None:
     from freescale.train.checkpoint import CheckpointError
     from freescale.train.trainer import TrainingError, train
 
-    bad_input = (DataError, CheckpointError, CostModelError)
+    bad_input = (ConfigError, DataError, CheckpointError, CostModelError)
     try:
         train(cfg)
     except bad_input as e:

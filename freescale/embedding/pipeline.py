@@ -7,17 +7,24 @@ give bitwise the same result on CPU; they differ in when the embedding exchanges
 ``sync`` (the reference), per step: exchange the batch's ids, look up and exchange its rows,
 forward and backward, exchange the gradients and update every row, step the dense optimizer.
 
-``prioritized``: batch i+1's ids are exchanged while batch i computes. Each owner splits the
-rows i+1 reads into collision rows (batch i writes them) and exclusive rows (``rows.py``),
-and tells the senders which of their ids are which (one small all-to-all of flags). Then:
+``prioritized``: batch i+1's ids reach their owners while batch i computes (batch i+2's are
+on their way). Each owner splits the rows i+1 reads into collision rows (batch i writes them)
+and exclusive rows (``rows.py``) and tells the senders which of their ids are which (a small
+all-to-all of flags, waited for only after the backward). Step i:
 
-1. batch i-1's deferred gradients (rows i does not read) are applied, before any later read;
-2. batch i+1's exclusive rows are looked up and sent (normal lane), overlapped with batch i's
-   forward and backward;
-3. after batch i's backward, its collision gradients go first (high lane); the owners update
-   those rows and send batch i+1's collision rows (high lane): the only exchange the next
-   step waits for in full;
-4. batch i's other gradients are sent (normal lane) and applied at step 1 of the next step.
+1. forward of batch i, on the rows assembled in step i-1;
+2. batch i-1's deferred gradients (rows i does not read; their exchange overlapped the
+   forward) are applied: the next line is the step's first read of the tables;
+3. every row batch i+1 reads is looked up and sent (normal lane), overlapped with the
+   backward; the collision rows among them will be sent again;
+4. backward of batch i; the dense all-reduce starts;
+5. batch i's collision gradients go first (high lane), the owners update those rows and send
+   batch i+1's collision rows (high lane): the only exchange waited for in full;
+6. batch i's other gradients are sent (normal lane), to be applied at 2. of the next step
+   (between a sender and an owner with few collision rows, the whole block with those rows
+   zeroed: it is applied as it comes);
+7. the dense optimizer steps; batch i+1's rows are the early rows with the collision rows
+   overwritten.
 
 Every row is updated by the same fused-optimizer arithmetic over the same gradients in the
 same order as in ``sync``, and read only after every update before it: the numerics are

@@ -31,7 +31,7 @@ import torch.distributed as dist
 from freescale import distributed
 from freescale.balance.balancer import build_balancer
 from freescale.balance.cost import CostModel, load_cost_model
-from freescale.config import ExperimentConfig, write_config
+from freescale.config import ConfigError, ExperimentConfig, write_config
 from freescale.data.loader import BatchLoader, SampleSource, build_sources, eval_batches
 from freescale.distributed import Topology
 from freescale.faults import build_faults
@@ -75,6 +75,9 @@ def train(cfg: ExperimentConfig, topology: Topology | None = None) -> dict:
     """Run (or resume) the experiment; returns the summary also written to summary.json."""
     # Processes, devices, logging.
     device = distributed.resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", 0)))
+    if cfg.train.pipeline in OWNED_PIPELINES and device.type != "cpu":
+        raise ConfigError(f"train.pipeline: {cfg.train.pipeline} trains FreeScale's own tables, which run on CPU "
+                          f"for now; set run.device=cpu (resolved: {device.type})")
     topo = topology or distributed.init_distributed(device, cfg.train.backend)
     threads = distributed.set_threads(cfg.run.threads, topo.local_world_size)
     log = setup_logging(topo.replica_id, topo.rank)
