@@ -201,7 +201,7 @@ def _verify(args, cfg) -> None:
     from freescale import distributed
     from freescale.balance.cost import CostModelError
     from freescale.data.readers import DataError
-    from freescale.embedding.verify import print_verdict, verify
+    from freescale.train.verify import print_verdict, verify
 
     if args.steps < 2:
         _fail(f"--steps: expected at least 2 (the pipeline overlaps consecutive steps), got {args.steps}")

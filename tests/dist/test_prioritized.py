@@ -11,7 +11,7 @@ from freescale.config import load_config
 from freescale.data.batch import Batch, Samples
 from freescale.distributed import Topology
 from freescale.embedding.pipeline import build_owned_model
-from freescale.embedding.verify import snapshot
+from freescale.train.verify import snapshot
 from freescale.model.sharding import build_dense_optimizer
 from freescale.profile.timeline import NullTimeline
 from freescale.train.pipelines import build_pipeline
