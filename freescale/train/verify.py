@@ -9,6 +9,7 @@ dense optimizer's state are compared on every rank, and so is each step's loss.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 import torch
@@ -31,7 +32,7 @@ MODES = ("sync", "prioritized")
 class Verdict:
     steps: int
     losses: dict[str, list[float]]
-    """Per mode, each step's loss summed over the replica's ranks."""
+    """Per mode, each step's loss, the mean over the replica's ranks."""
     step_diffs: list[float]
     """Per step, the largest loss difference on any rank."""
     state_diffs: dict[str, float] = field(default_factory=dict)
@@ -82,6 +83,34 @@ def _run(cfg: ExperimentConfig, mode: str, steps: int, topo, inputs, log) -> tup
         balancer.close()
 
 
+def compare(ref_losses: list[float], got_losses: list[float], ref_state: dict, got_state: dict
+            ) -> tuple[list[float], dict[str, float], bool]:
+    """This rank's comparison: per-step loss differences, the largest difference per kind of
+    state, and whether everything is bitwise equal (a -0.0 is not 0.0; a NaN is never equal:
+    two runs that diverged alike prove nothing)."""
+    steps = [0.0 if a == b else (abs(a - b) if a == a and b == b else math.inf)
+             for a, b in zip(ref_losses, got_losses)]
+    equal = len(ref_losses) == len(got_losses) and all(
+        struct.pack("<d", a) == struct.pack("<d", b) and not math.isnan(a) for a, b in zip(ref_losses, got_losses))
+    worst: dict[str, float] = {}
+    for kind, ref_part in ref_state.items():
+        got_part = got_state[kind]
+        if ref_part.keys() != got_part.keys():
+            equal = False
+        worst[kind] = 0.0
+        for key, ref in ref_part.items():
+            got = got_part.get(key)
+            if got is None or got.shape != ref.shape or got.dtype != ref.dtype:
+                equal, worst[kind] = False, math.inf
+                continue
+            # Bitwise: compare the bits, so that NaNs and signed zeros count.
+            equal &= torch.equal(ref.contiguous().view(torch.uint8), got.contiguous().view(torch.uint8))
+            equal &= not (ref.is_floating_point() and bool(ref.isnan().any()))
+            if ref.numel():
+                worst[kind] = max(worst[kind], float((ref.double() - got.double()).abs().nan_to_num(math.inf).max()))
+    return steps, worst, equal
+
+
 def verify(cfg: ExperimentConfig, steps: int, log=print) -> Verdict:
     """Train both ways on this job's ranks; every rank returns the same verdict."""
     device = distributed.resolve_device("cpu", 0)
@@ -91,24 +120,15 @@ def verify(cfg: ExperimentConfig, steps: int, log=print) -> Verdict:
     runs = {mode: _run(cfg, mode, steps, topo, inputs, log) for mode in MODES}
     (ref_losses, ref_state, _), (got_losses, got_state, rates) = runs["sync"], runs["prioritized"]
 
-    local = torch.tensor([abs(a - b) if not (a == b) else 0.0 for a, b in zip(ref_losses, got_losses)],
-                         dtype=torch.float64)
-    kinds = list(ref_state)
-    diffs, equal = [], True
-    for kind in kinds:
-        worst = 0.0
-        for key, ref in ref_state[kind].items():
-            got = got_state[kind][key]
-            equal &= torch.equal(ref, got)
-            if ref.numel():
-                worst = max(worst, float((ref.double() - got.double()).abs().max()))
-        diffs.append(worst)
-    # Bitwise equal on every rank: the losses too (a NaN never compares equal).
-    equal &= all(a == b for a, b in zip(ref_losses, got_losses))
-    verdict = torch.cat([local, torch.tensor(diffs, dtype=torch.float64), torch.tensor([0.0 if equal else 1.0])])
+    local, state_diffs, equal = compare(ref_losses, got_losses, ref_state, got_state)
+    kinds = list(state_diffs)
+    diffs = [state_diffs[k] for k in kinds]
+    verdict = torch.cat([torch.tensor(local, dtype=torch.float64), torch.tensor(diffs, dtype=torch.float64),
+                         torch.tensor([0.0 if equal else 1.0])])
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=topo.pg)
     sums = torch.tensor([ref_losses, got_losses], dtype=torch.float64)
     dist.all_reduce(sums, group=topo.pg)
+    sums /= topo.world_size
     rate = torch.tensor([sum(rates), float(len(rates))], dtype=torch.float64)
     dist.all_reduce(rate, group=topo.pg)
     n = len(ref_losses)
