@@ -104,7 +104,7 @@ def compare(ref_losses: list[float], got_losses: list[float], ref_state: dict, g
                 equal, worst[kind] = False, math.inf
                 continue
             # Bitwise: compare the bits, so that NaNs and signed zeros count.
-            equal &= torch.equal(ref.contiguous().view(torch.uint8), got.contiguous().view(torch.uint8))
+            equal &= torch.equal(ref.reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8))
             equal &= not (ref.is_floating_point() and bool(ref.isnan().any()))
             if ref.numel():
                 worst[kind] = max(worst[kind], float((ref.double() - got.double()).abs().nan_to_num(math.inf).max()))

@@ -11,7 +11,7 @@ def state(weight, momentum=None, dense=None):
     return {"embedding rows": {"weight": weight},
             "embedding optimizer state": {"momentum": momentum if momentum is not None else torch.zeros(3)},
             "dense parameters": {"w": dense if dense is not None else torch.ones(2, 2)},
-            "dense optimizer state": {}}
+            "dense optimizer state": {"w.step": torch.tensor(3.0)}}
 
 
 def test_identical_runs_compare_equal():
