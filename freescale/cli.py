@@ -19,6 +19,7 @@ import os
 import sys
 
 from freescale.config import ConfigError, describe, dump_yaml, load_config
+from freescale.errors import first_line
 
 EXIT_USAGE = 2
 EXIT_FAILED = 1
@@ -230,13 +231,8 @@ def _train(cfg) -> None:
     except TrainingError as e:
         if isinstance(e.__cause__, bad_input):
             _fail(str(e.__cause__))
-        print(f"freescale: error: {_first_line(str(e))} (traceback in {e.log_path})", file=sys.stderr)
+        print(f"freescale: error: {first_line(str(e))} (traceback in {e.log_path})", file=sys.stderr)
         sys.exit(EXIT_FAILED)
-
-
-def _first_line(text: str) -> str:
-    lines = text.strip().splitlines()
-    return lines[0] if lines else text
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from freescale.distributed import new_group_like
+from freescale.errors import first_line
 from freescale.transport.base import NORMAL, TransportError, check_all_gather, check_all_to_all, check_lane
 
 _SLICE = datetime.timedelta(milliseconds=10)  # how long a waiter waits before it looks at the latch again
@@ -51,7 +52,7 @@ class _WorkHandle:
                 self.work.wait(_SLICE)
                 break
             except RuntimeError as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                first = first_line(e)
                 self.fail(TransportError(f"torch_dist {self.op} failed: {first}"))
                 self.error.__cause__ = e
                 self.transport._latch(f"{self.op} failed: {first}")

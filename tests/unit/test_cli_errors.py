@@ -79,3 +79,11 @@ def test_malformed_cost_model_fails_before_a_run_folder_exists(tmp_path):
     assert len(proc.stderr.strip().splitlines()) == 1
     assert f"freescale: error: {path}: not a cost model" in proc.stderr
     assert not run_dir.exists()
+
+
+def test_first_line_of_an_error():
+    from freescale.errors import first_line
+
+    assert first_line(RuntimeError("  gloo: connection reset\n  at pair.cc:537\n")) == "gloo: connection reset"
+    assert first_line(TimeoutError()) == "TimeoutError"
+    assert first_line("one\ntwo") == "one"

@@ -12,6 +12,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from freescale.errors import first_line
 from freescale.transport.host_staged.memory import view
 from freescale.transport.host_staged.scheduler import Op
 
@@ -47,5 +48,5 @@ class RemoteTransfers:
             try:
                 w.wait(self.timeout)
             except RuntimeError as e:
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                first = first_line(e)
                 raise RemoteTransferError(f"a transfer with another host failed: {first}") from e

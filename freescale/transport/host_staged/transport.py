@@ -32,6 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from freescale.errors import first_line
 from freescale.transport.base import NORMAL, TransportError, check_all_gather, check_all_to_all, check_lane
 from freescale.transport.host_staged import memory, wire
 from freescale.transport.host_staged.local import LocalExchange
@@ -163,7 +164,7 @@ class HostStagedTransport:
         try:
             return fn(value)
         except RuntimeError as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            first = first_line(e)
             raise TransportError(f"host_staged: set-up failed {step} (rank {self.rank}): {first}") from e
 
     def _all_gather_object(self, value) -> list:
