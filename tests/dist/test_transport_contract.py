@@ -172,6 +172,11 @@ def _failed_after_sending(rank, world):
         t.abort("replica 1 left the quorum")
         with pytest.raises(TransportError, match="replica 1 left the quorum"):
             sent.wait()
+        # wait() returns as soon as the abort settles the handle; the proxy running the
+        # collective tells the peers when it next looks at the latch, before it lets go.
+        deadline = time.monotonic() + 10
+        while t.scheduler._running is not None and time.monotonic() < deadline:
+            time.sleep(0.01)
     dist.barrier()
     if rank == 1:  # its exchange completes at its first step; it must still fail
         with pytest.raises(TransportError, match="rank 0 failed this collective"):
