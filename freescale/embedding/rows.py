@@ -14,18 +14,26 @@ next read of them (the next step's early lookup).
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
 
 import torch
 
 
-class RowSplit(NamedTuple):
+@dataclass(frozen=True)
+class RowSplit:
+    written: torch.Tensor
+    """Sorted unique rows batch i writes."""
     collision: torch.Tensor
     """Sorted unique rows read by batch i+1 and written by batch i."""
     exclusive: torch.Tensor
     """Sorted unique rows read by batch i+1 and not written by batch i."""
-    deferred: torch.Tensor
-    """Sorted unique rows written by batch i and not read by batch i+1."""
+
+    @property
+    def deferred(self) -> torch.Tensor:
+        """Sorted unique rows written by batch i and not read by batch i+1 (computed when asked:
+        the pipeline finds them by position instead)."""
+        read = torch.cat([self.collision, self.exclusive])
+        return self.written[~torch.isin(self.written, read)]
 
     @property
     def rate(self) -> float:
@@ -40,7 +48,7 @@ def split_rows(written: torch.Tensor, read: torch.Tensor) -> RowSplit:
     written = torch.unique(written)
     read = torch.unique(read)
     collide = torch.isin(read, written)
-    return RowSplit(read[collide], read[~collide], written[~torch.isin(written, read)])
+    return RowSplit(written, read[collide], read[~collide])
 
 
 def in_rows(ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

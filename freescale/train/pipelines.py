@@ -129,7 +129,6 @@ class OwnedPipeline:
         self.evaluating = inner.evaluating
 
     def close(self) -> None:
-        self.inner.drain = lambda: None  # a failed exchange is not waited for again
         self.transport.close()
 
 
