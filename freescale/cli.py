@@ -5,6 +5,9 @@
     freescale calibrate --config PATH [--out PATH]               fit the per-sample cost model
     freescale balance --lengths X.npy --ranks N [--partition P]  partition quality of a global batch
     freescale config [--config PATH] [--section.key=value ...]   print the resolved config
+    freescale lighthouse [--bind HOST:PORT] [--min-replicas N]    torchft's lighthouse for replica groups
+    freescale local --config PATH --replicas R --nproc N [--kill R@S,...] [--restart-delay S]
+                                                                 R replica groups on this host, with kills
 
 Bad input (unknown key, wrong type, out-of-range value, missing or malformed file, malformed
 YAML) exits with status 2 and one line on stderr naming what was wrong. A run that fails
@@ -52,6 +55,22 @@ def _parser() -> argparse.ArgumentParser:
                          epilog="Any config key can be overridden as --section.key=value. Runs standalone or under torchrun.")
     ver.add_argument("--config", required=True, help="experiment YAML file")
     ver.add_argument("--steps", type=int, default=20, help="steps to train each way (default 20)")
+    lh = sub.add_parser("lighthouse", help="run torchft's lighthouse, which forms the quorum of the replica groups")
+    lh.add_argument("--bind", default="127.0.0.1:29510", help="HOST:PORT to listen on (default 127.0.0.1:29510; "
+                    "bind an address the other hosts reach for a multi-host job)")
+    lh.add_argument("--min-replicas", type=int, default=1, help="replica groups a quorum needs (default 1)")
+    lh.add_argument("--heartbeat-timeout-ms", type=int, default=500,
+                    help="a group silent this long is dead to the quorum (default 500)")
+    lh.add_argument("--join-timeout-ms", type=int, default=1000,
+                    help="how long a quorum waits for a heartbeating group to join (default 1000)")
+    loc = sub.add_parser("local", help="a lighthouse and R replica groups of N ranks on this host, with kills and restarts",
+                         epilog="Any config key can be overridden as --section.key=value.")
+    loc.add_argument("--config", required=True, help="experiment YAML file")
+    loc.add_argument("--replicas", type=int, required=True, help="replica groups (torchrun jobs)")
+    loc.add_argument("--nproc", type=int, required=True, help="ranks per replica group")
+    loc.add_argument("--kill", default="", help="REPLICA@STEP,...: SIGKILL the group when it has committed STEP")
+    loc.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a killed group restarts (default 1)")
+    loc.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
     show = sub.add_parser("config", help="print the resolved config (or every key with its docs)")
     show.add_argument("--config", help="experiment YAML file")
     show.add_argument("--keys", action="store_true", help="list every key with its default and description")
@@ -171,10 +190,13 @@ def _calibrate(args, cfg) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args, extra = _parser().parse_known_args(argv)
-    if args.command in ("report", "balance"):
+    if args.command in ("report", "balance", "lighthouse"):
         if extra:
             _fail(f"unrecognized argument '{extra[0]}'")
-        (_report if args.command == "report" else _balance)(args)
+        {"report": _report, "balance": _balance, "lighthouse": _lighthouse}[args.command](args)
+        return
+    if args.command == "local":
+        _local(args, extra)
         return
     try:
         cfg = load_config(args.config, _split_overrides(extra))
@@ -196,6 +218,31 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     _train(cfg)
+
+
+def _lighthouse(args) -> None:
+    from freescale.ft.lighthouse import LighthouseOptions, serve
+
+    try:
+        serve(LighthouseOptions(bind=args.bind, min_replicas=args.min_replicas,
+                                heartbeat_timeout_ms=args.heartbeat_timeout_ms, join_timeout_ms=args.join_timeout_ms))
+    except ValueError as e:
+        _fail(str(e))
+
+
+def _local(args, extra: list[str]) -> None:
+    from freescale.ft.local import run_local, succeeded
+
+    try:
+        overrides = _split_overrides(extra)
+        summary = run_local(args.config, overrides, replicas=args.replicas, nproc=args.nproc, kills=args.kill,
+                            restart_delay=args.restart_delay, timeout_s=args.timeout)
+    except (ConfigError, ValueError) as e:
+        _fail(str(e))
+    except TimeoutError as e:
+        print(f"freescale: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    sys.exit(0 if succeeded(summary) else EXIT_FAILED)
 
 
 def _verify(args, cfg) -> None:

@@ -251,6 +251,32 @@ class FaultConfig:
     """Ranks (within the replica) that fail; empty = every rank."""
     kind: Literal["raise", "exit"] = "raise"
     """raise: an exception in the training loop; exit: the process ends at once, as a crash would."""
+    during: Literal["step", "allreduce", "catch_up"] = "step"
+    """Where in step N the fault strikes: as the step begins, inside the cross-replica all-reduce (ft), or while this replica loads a peer's state (ft catch-up)."""
+
+
+@dataclass
+class FTConfig:
+    enable: bool = False
+    """The replica layer: this torchrun job is one replica group of several, coordinated by a torchft lighthouse; a replica can die and rejoin while the others keep training."""
+    replica_id: Annotated[int, NonNegative] = 0
+    """This replica group's number (0 .. ft.num_replicas - 1); it names its data shard and its run files."""
+    num_replicas: Annotated[int, Positive] = 1
+    """Replica groups in the job; replica r trains global batches r, r + R, r + 2R, ... of the stream."""
+    min_replicas: Annotated[int, Positive] = 1
+    """A step commits only when at least this many replica groups take part."""
+    lighthouse: str = "http://127.0.0.1:29510"
+    """Address of the torchft lighthouse (`freescale lighthouse`); the TORCHFT_LIGHTHOUSE environment variable overrides it."""
+    timeout_s: Annotated[float, Range(min=0.1)] = 10.0
+    """Collectives across replicas, the commit vote and state transfers fail after this long."""
+    quorum_timeout_s: Annotated[float, Range(min=0.1)] = 60.0
+    """How long a step waits for a quorum of replica groups."""
+    embedding_sync_every: Annotated[int, NonNegative] = 10
+    """Average embedding rows and their optimizer state across replicas every this many steps and at the last step (0 = only at the last step)."""
+    lr_scaling: Literal["none", "sqrt"] = "none"
+    """Dense learning rate while fewer than ft.num_replicas take part: unchanged, or scaled by sqrt(participants / ft.num_replicas)."""
+    fail_commit_at: list[int] = field(default_factory=list)
+    """Steps at which this replica votes against its commit (fault injection: the step is rolled back and replayed)."""
 
 
 @dataclass
@@ -275,6 +301,8 @@ class ExperimentConfig:
     """Bubble profiling: step timelines, the report, straggler injection."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Declared fault injection (off by default)."""
+    ft: FTConfig = field(default_factory=FTConfig)
+    """The fault-tolerant replica layer on torchft (off by default)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,6 +539,15 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"balance.cost_model: file not found: {cfg.balance.cost_model}")
     if cfg.checkpoint.resume and not os.path.isdir(cfg.checkpoint.resume):
         raise ConfigError(f"checkpoint.resume: folder not found: {cfg.checkpoint.resume}")
+    ft = cfg.ft
+    if ft.replica_id >= ft.num_replicas:
+        raise ConfigError(f"ft.replica_id: expected < ft.num_replicas ({ft.num_replicas}), got {ft.replica_id}")
+    if ft.min_replicas > ft.num_replicas:
+        raise ConfigError(f"ft.min_replicas: expected <= ft.num_replicas ({ft.num_replicas}), got {ft.min_replicas}")
+    if ft.enable and cfg.train.pipeline != "sync":
+        raise ConfigError(f"ft.enable: the replica layer trains with train.pipeline: sync for now, got {cfg.train.pipeline}")
+    if cfg.fault.during != "step" and not ft.enable:
+        raise ConfigError(f"fault.during: {cfg.fault.during} needs the replica layer (ft.enable: true)")
 
 
 def _kind(value: Any) -> str:

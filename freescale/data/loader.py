@@ -6,7 +6,9 @@ next epoch). Rank ``r`` takes the contiguous ``r``-th slice, which is what a
 ``DistributedSampler`` split does and is the baseline the balancer re-partitions.
 
 The cursor is the index of the next global batch, so it is the same on every rank and a
-resumed run continues exactly where the checkpoint left off. Pipelines read batches ahead of
+resumed run continues exactly where the checkpoint left off. Under the replica layer each
+replica group trains its own shard of the stream: replica ``s`` of ``S`` takes global batches
+``s, s + S, s + 2S, ...``, and its cursor counts the batches of its shard. Pipelines read batches ahead of
 training; the trainer therefore checkpoints the batch after the last one *trained*
 (``freescale.train.state.DataCursor``), not the loader's own read position.
 """
@@ -48,8 +50,10 @@ class BatchLoader:
     """Iterates this rank's local batches of global batches ``next_batch, next_batch+1, ...``."""
 
     def __init__(self, source: SampleSource, *, batch_size: int, rank: int, world_size: int,
-                 user_hash_size: int, next_batch: int = 0) -> None:
+                 user_hash_size: int, next_batch: int = 0, shard: int = 0, shards: int = 1) -> None:
         self.source = source
+        self.shard = shard
+        self.shards = shards
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
@@ -69,10 +73,18 @@ class BatchLoader:
         pos = self.global_positions(batch_index)
         return self.source.samples_at(pos[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
 
+    def batch_at(self, position: int) -> int:
+        """The global batch index of this shard's ``position``-th batch."""
+        return position * self.shards + self.shard
+
+    def position_after(self, batch_index: int) -> int:
+        """The cursor that follows global batch ``batch_index`` of this shard."""
+        return (int(batch_index) - self.shard) // self.shards + 1
+
     def iter_samples(self) -> Iterator[tuple[int, Samples]]:
         """(global batch index, this rank's samples), advancing the cursor."""
         while True:
-            k = self.next_batch
+            k = self.batch_at(self.next_batch)
             self.next_batch += 1
             yield k, self.local_samples(k)
 

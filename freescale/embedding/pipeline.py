@@ -51,6 +51,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE, Batch
 from freescale.embedding.exchange import PendingRoute, Route, ShardedTables, counts_by
 from freescale.embedding.rows import in_rows, split_rows
+from freescale.ft.replica import COMMITTED, NullReplica
 from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, SeqRecTask
 from freescale.transport.base import HIGH, NORMAL
 
@@ -108,7 +109,8 @@ class DenseReduction:
     """The dense gradients averaged over the replica: one flat all-reduce (the same on every
     rank), started at once; ``wait`` puts the averages in the gradients."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, across=None) -> None:
+        self.across = across  # then averages the replica's mean over the replica groups, in place
         self.params = params
         self.grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         self.flat = torch.cat([g.reshape(-1) for g in self.grads])
@@ -118,6 +120,8 @@ class DenseReduction:
     def wait(self) -> None:
         self.work.wait()
         self.flat /= self.world_size
+        if self.across is not None:
+            self.across(self.flat)
         at = 0
         for p, g in zip(self.params, self.grads):
             n = g.numel()
@@ -159,7 +163,7 @@ class EmbeddingPipeline:
     """``progress(batches)`` trains one batch and returns its ``StepOutput``, like TorchRec's pipelines."""
 
     def __init__(self, model: OwnedModel, optimizer, transport, group: dist.ProcessGroup, timeline, *,
-                 prioritized: bool) -> None:
+                 prioritized: bool, replica=None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.transport = transport
@@ -173,12 +177,18 @@ class EmbeddingPipeline:
         self._deferred: _Deferred | None = None
         self._started = False
         self.collision_rates: list[float] = []
+        # The replica layer (sync only): each step is voted on; a batch whose step did not
+        # commit (or that a group catching up did not train) is trained again.
+        self.replica = replica if replica is not None else NullReplica()
+        self.vote = COMMITTED
+        self._replay: Batch | None = None
 
     # Steps ---------------------------------------------------------------------------------
 
     def progress(self, batches: Iterator):
         if not self.prioritized:
-            return self._sync_step(next(batches))
+            batch, self._replay = (self._replay or next(batches)), None
+            return self._sync_step(batch)
         if not self._started:
             self._started = True
             first = next(batches)
@@ -191,14 +201,29 @@ class EmbeddingPipeline:
         return out
 
     def _sync_step(self, batch: Batch):
+        replica = self.replica
+        replica.begin()
         staged = self._stage(batch)
         rows = self._lookup_all(staged, track=True)
         loss, out, grads = self._forward_backward(staged.batch, rows)
         route = staged.route
         with self.timeline.span("collision_wait"):
             got = self.transport.all_to_all_single(route.to_owner(grads), route.send_counts, route.recv_counts).wait()
+        replica.before_update(self.tables, route.ids)
         self.tables.update_looked_up(staged.looked_up, got)
-        self._dense_step()
+        if not replica.enabled:
+            self._dense_step()
+            return out
+        with self.timeline.span("optimizer"):
+            DenseReduction(self.dense_params, self.group, across=replica.reduce_dense).wait()
+        replica.sync_embeddings(self.tables)
+        self.vote = replica.vote()
+        if self.vote.stepped:
+            with self.timeline.span("optimizer"):
+                self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if not self.vote.trained:
+            self._replay = batch
         return out
 
     def _prioritized_step(self, batches: Iterator):

@@ -74,6 +74,15 @@ def read_ledger(run_dir: str) -> list[dict]:
     return records
 
 
+def expected_samples(cfg, batches, ranks: int) -> dict[int, list[int]]:
+    """The sample ids of each global batch in ``batches`` (``ranks`` x ``data.batch_size`` samples each)."""
+    from freescale.data.loader import BatchLoader, build_sources
+
+    source, _ = build_sources(cfg.data, cfg.run.seed)
+    loader = BatchLoader(source, batch_size=cfg.data.batch_size, rank=0, world_size=ranks, user_hash_size=1)
+    return {int(k): source.samples_at(loader.global_positions(int(k))).sample_ids.tolist() for k in batches}
+
+
 def audit(records: list[dict], expected: dict[int, list[int]]) -> dict:
     """Samples lost and repeated: ``expected`` maps each global batch to its sample ids.
 

@@ -20,6 +20,8 @@ from typing import Callable, Iterator
 import torch
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
+from freescale.ft.replica import COMMITTED
+
 
 class Pipeline:
     """A TorchRec pipeline plus the model it drives."""
@@ -27,6 +29,8 @@ class Pipeline:
     def __init__(self, inner, model: torch.nn.Module) -> None:
         self.inner = inner
         self.model = model
+
+    vote = COMMITTED  # no replica layer here: every step commits
 
     def progress(self, batches: Iterator):
         return self.inner.progress(batches)
@@ -108,14 +112,14 @@ class _Owned:
     def __init__(self, prioritized: bool) -> None:
         self.prioritized = prioritized
 
-    def __call__(self, model, optimizer, device, timeline, *, group, transport_cfg):
+    def __call__(self, model, optimizer, device, timeline, *, group, transport_cfg, replica=None):
         from freescale.distributed import new_group_like
         from freescale.embedding.pipeline import EmbeddingPipeline
         from freescale.transport.registry import build_transport
 
         transport = build_transport(transport_cfg, new_group_like(group), lanes=2)
         return OwnedPipeline(EmbeddingPipeline(model, optimizer, transport, group, timeline,
-                                               prioritized=self.prioritized), transport)
+                                               prioritized=self.prioritized, replica=replica), transport)
 
 
 class OwnedPipeline:
@@ -128,6 +132,11 @@ class OwnedPipeline:
         self.drain = inner.drain
         self.evaluating = inner.evaluating
 
+    @property
+    def vote(self):
+        """How the last step ended under the replica layer (``freescale.ft.replica.Vote``)."""
+        return self.inner.vote
+
     def close(self) -> None:
         self.transport.close()
 
@@ -138,8 +147,10 @@ OWNED_PIPELINES = frozenset({"prioritized", "sync"})
 
 
 def build_pipeline(name: str, model: torch.nn.Module, optimizer, device: torch.device, timeline, *,
-                   group=None, transport_cfg=None):
-    """The named pipeline; ``timeline`` receives its phase spans (a NullTimeline when not profiling)."""
+                   group=None, transport_cfg=None, replica=None):
+    """The named pipeline; ``timeline`` receives its phase spans (a NullTimeline when not profiling);
+    ``replica``: the replica layer the step votes with (owned pipelines)."""
     if name in OWNED_PIPELINES:
-        return PIPELINES[name](model, optimizer, device, timeline, group=group, transport_cfg=transport_cfg)
+        return PIPELINES[name](model, optimizer, device, timeline, group=group, transport_cfg=transport_cfg,
+                               replica=replica)
     return Pipeline(PIPELINES[name](model, optimizer, device, timeline), model)

@@ -69,7 +69,7 @@ class DataCursor:
         self.next_batch = loader.next_batch
 
     def advance_past(self, batch_index: int) -> None:
-        self.next_batch = int(batch_index) + 1
+        self.next_batch = self.loader.position_after(batch_index)
 
     def state_dict(self) -> dict:
         return {"next_batch": torch.tensor(self.next_batch, dtype=torch.int64)}

@@ -15,6 +15,7 @@ its traceback to the rank's log file and raised as a ``TrainingError`` naming th
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import gc
 import json
@@ -35,6 +36,7 @@ from freescale.config import ConfigError, ExperimentConfig, write_config
 from freescale.data.loader import BatchLoader, SampleSource, build_sources, eval_batches
 from freescale.distributed import Topology
 from freescale.faults import build_faults
+from freescale.ft.replica import ReplicaFiles, build_replica
 from freescale.io import rewind_jsonl, write_json_atomic
 from freescale.logging import log_file_path, log_to_file, setup_logging
 from freescale.model.seqrec import SeqRecModel
@@ -79,6 +81,8 @@ def train(cfg: ExperimentConfig, topology: Topology | None = None) -> dict:
         raise ConfigError(f"train.pipeline: {cfg.train.pipeline} trains FreeScale's own tables, which run on CPU "
                           f"for now; set run.device=cpu (resolved: {device.type})")
     topo = topology or distributed.init_distributed(device, cfg.train.backend)
+    if cfg.ft.enable:  # this job is one replica group of several
+        topo = dataclasses.replace(topo, replica_id=cfg.ft.replica_id, num_replicas=cfg.ft.num_replicas)
     threads = distributed.set_threads(cfg.run.threads, topo.local_world_size)
     log = setup_logging(topo.replica_id, topo.rank)
     _quiet_third_party_logs()
@@ -127,7 +131,8 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
 
     # Data: this rank's slice of every global batch, and its share of the held-out samples.
     loader = BatchLoader(inputs.train_source, batch_size=cfg.data.batch_size, rank=topo.rank, world_size=topo.world_size,
-                         user_hash_size=cfg.model.user_hash_size)
+                         user_hash_size=cfg.model.user_hash_size, shard=cfg.ft.replica_id if cfg.ft.enable else 0,
+                         shards=cfg.ft.num_replicas if cfg.ft.enable else 1)
     held_out = eval_batches(inputs.eval_source, num_samples=cfg.data.eval_samples, batch_size=cfg.data.batch_size,
                             rank=topo.rank, world_size=topo.world_size, user_hash_size=cfg.model.user_hash_size)
 
@@ -154,9 +159,17 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         checkpointer.load(resume_from, state)
         log.info(f"resumed from {resume_from} at step {trainer.step}")
     first_step = trainer.step
+    # A replica group that comes back resumes its own data shard where its last committed step
+    # ended; its model state comes from a healthy peer at its first step.
+    rejoin = ReplicaFiles(run_dir).read_cursor() if cfg.ft.enable else None
+    if rejoin:
+        cursor.load_state_dict({"next_batch": torch.tensor(rejoin["next_batch"])})
+        log.info(f"replica {cfg.ft.replica_id} rejoins: its shard continues at batch "
+                 f"{loader.batch_at(cursor.next_batch)} (its last committed step: {rejoin['step']})")
+    logged_to = rejoin["step"] if rejoin else first_step
     if topo.is_main:
-        rewind_jsonl(metrics.path, first_step)
-    ledger = build_ledger(cfg.train.ledger, run_dir, replica=topo.replica_id, rank=topo.rank, start_step=first_step)
+        rewind_jsonl(metrics.path, logged_to)
+    ledger = build_ledger(cfg.train.ledger, run_dir, replica=topo.replica_id, rank=topo.rank, start_step=logged_to)
     closing.callback(ledger.close)
 
     # Profiling: per-step timelines (a NullTimeline when off), phase spans, straggler injection.
@@ -180,8 +193,13 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     faults = build_faults(cfg.fault, topo.rank)
     collector = GarbageCollector(cfg.train.gc_every)
     closing.callback(collector.close)
+    # The replica layer (a NullReplica when ft is off), made last: the lighthouse counts this
+    # group in from here, and the loop starts at once.
+    replica = build_replica(cfg, topo, state, [p for p in model.task.parameters() if p.requires_grad] if owned else [],
+                            optimizer, faults, run_dir)
+    closing.callback(replica.close)
     pipeline = build_pipeline(cfg.train.pipeline, model, optimizer, device, timeline, group=group,
-                              transport_cfg=cfg.transport)
+                              transport_cfg=cfg.transport, replica=replica)
     closing.callback(pipeline.close)
     batches = timeline.timed_batches(balancer.batches(loader.iter_samples()))
     window = StepWindow()
@@ -190,13 +208,23 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         faults.before_step(trainer.step + 1)
         timeline.begin_step(trainer.step + 1)
         out = pipeline.progress(batches)
+        vote = pipeline.vote
+        if not vote.stepped:
+            continue  # rolled back: the same batch again
         trainer.step += 1
+        if rejoin:
+            if trainer.step <= rejoin["step"]:
+                raise RuntimeError(f"replica {cfg.ft.replica_id} came back at step {rejoin['step']} but no live replica "
+                                   f"is ahead of it to catch up from; resume it from a checkpoint (checkpoint.resume)")
+            rejoin = None
         timeline.end_step(trainer.step, out)
         collector.step(trainer.step)
-        batch_index = out.batch_index.item()
-        cursor.advance_past(batch_index)
-        ledger.record(trainer.step, batch_index, out.sample_ids)
-        window.add(out.loss, len(out.sample_ids))
+        if vote.trained:  # (a group that caught up in this step trains its batch in the next)
+            batch_index = out.batch_index.item()
+            cursor.advance_past(batch_index)
+            ledger.record(trainer.step, batch_index, out.sample_ids)
+        replica.committed(trainer.step, cursor.next_batch, vote.trained)
+        window.add(out.loss, len(out.sample_ids) if vote.trained else 0)
         if _due(trainer.step, cfg.run.log_every, cfg.train.steps):
             window = _log_progress(trainer.step, window, metrics, log, group)
         if held_out and _due(trainer.step, cfg.train.eval_every, cfg.train.steps):
@@ -345,7 +373,7 @@ def _last_eval(run_dir: str) -> dict:
 
 def _quiet_third_party_logs() -> None:
     """TorchRec's planner and pipelines log at INFO/WARNING on every start; keep the console ours."""
-    for name in ("torchrec", "torch.distributed", "torch.fx", "fbgemm_gpu"):
+    for name in ("torchrec", "torch.distributed", "torch.fx", "fbgemm_gpu", "torchft"):
         logging.getLogger(name).setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", category=FutureWarning, module="torchrec")
     warnings.filterwarnings("ignore", category=UserWarning, module="torchrec")

@@ -4,12 +4,10 @@ gloo ranks, in-process, several runs per process."""
 import gc
 import threading
 
-import numpy as np
 import pytest
 
 from freescale.config import load_config
-from freescale.data.loader import build_sources
-from freescale.train.ledger import audit, read_ledger
+from freescale.train.ledger import audit, expected_samples, read_ledger
 from helpers.launch import FAST, QUICKSTART, metrics
 from helpers.spawn import run_ranks
 
@@ -20,10 +18,7 @@ BALANCED = [*FAST, "--train.ledger=true", "--balance.enable=true", "--profile.en
             "--profile.warmup_steps=1", "--data.synthetic.tail_prob=0.2", "--run.threads=1"]
 
 
-def expected_batches(cfg, batches: range, ranks: int) -> dict[int, list[int]]:
-    source, _ = build_sources(cfg.data, cfg.run.seed)
-    size = cfg.data.batch_size * ranks
-    return {k: source.samples_at(np.arange(k * size, (k + 1) * size)).sample_ids.tolist() for k in batches}
+expected_batches = expected_samples
 
 
 def _every_partition(rank, world, root):

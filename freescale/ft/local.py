@@ -1,0 +1,295 @@
+"""``freescale local``: a lighthouse and R replica groups of N ranks on this host, with kills.
+
+Each replica group is one ``torchrun`` job (its own process session, so a kill takes the agent
+and all its ranks, as a lost host would), training into ``<run>/replica<r>/``. The launcher
+watches every group's committed steps (its data cursor, ``ft_cursor.json``), SIGKILLs a group
+when it reaches the step named in ``--kill R@S``, starts it again after ``--restart-delay``
+seconds (it catches up from a live peer and resumes its data shard), prints a progress line per
+group, waits for the end and writes ``<run>/local_summary.json``:
+
+- per group: committed steps, steps that trained its own batch, exit code, console log;
+- per failure: when it was killed and restarted, the time to rejoin (restart to its first
+  commit), and every other group's *stall*: the longest gap between two of its commits while
+  the failed group was away (kill to rejoin);
+- the ledger check over all groups: every batch of every group's shard up to its cursor
+  trained exactly once (``samples_lost``, ``samples_repeated``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+from freescale.config import ConfigError, ExperimentConfig, load_config
+from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse
+from freescale.ft.replica import COMMITS_FILE, ReplicaFiles
+from freescale.io import write_json_atomic
+from freescale.train.ledger import audit, expected_samples, read_ledger
+
+SUMMARY_FILE = "local_summary.json"
+
+
+@dataclass(frozen=True)
+class Kill:
+    replica: int
+    step: int
+
+
+def parse_kills(text: str, replicas: int, steps: int) -> list[Kill]:
+    """``"1@10,0@30"`` -> kills; one-line errors name the bad item."""
+    kills = []
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        replica, at, step = item.partition("@")
+        if not at or not replica.isdigit() or not step.isdigit():
+            raise ConfigError(f"--kill: expected REPLICA@STEP items (e.g. 1@10), got {item!r}")
+        kill = Kill(int(replica), int(step))
+        if kill.replica >= replicas:
+            raise ConfigError(f"--kill {item}: replica {kill.replica} does not exist (--replicas {replicas})")
+        if not 1 <= kill.step < steps:
+            raise ConfigError(f"--kill {item}: expected a step in 1..{steps - 1} (train.steps is {steps})")
+        kills.append(kill)
+    return sorted(kills, key=lambda k: (k.replica, k.step))
+
+
+@dataclass
+class Failure:
+    step: int
+    killed_at: float
+    restarted_at: float | None = None
+
+
+@dataclass
+class Group:
+    """One replica group's torchrun job, across its restarts."""
+
+    replica: int
+    cmd: list[str]
+    run_dir: str
+    console: str
+    env: dict
+    proc: subprocess.Popen | None = None
+    kills: list[int] = field(default_factory=list)  # steps it is to be killed at, in order
+    failures: list[Failure] = field(default_factory=list)
+    restart_at: float | None = None
+    exit_code: int | None = None
+
+    def start(self) -> None:
+        with open(self.console, "a") as out:
+            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+                                         start_new_session=True)
+
+    def kill(self) -> None:
+        """SIGKILL the agent and every rank (torchrun starts each rank in a session of its own)."""
+        for pid in [self.proc.pid, *descendants(self.proc.pid)]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        self.proc = None
+
+    def step(self) -> int:
+        try:
+            cursor = ReplicaFiles(self.run_dir).read_cursor()
+        except ValueError:
+            return 0  # (never seen half-written: the cursor is replaced atomically)
+        return cursor["step"] if cursor else 0
+
+    def state(self, now: float) -> str:
+        if self.proc is not None:
+            return f"step {self.step()}"
+        if self.restart_at is not None:
+            return f"down (restarts in {max(0.0, self.restart_at - now):.1f} s)"
+        return "done" if self.exit_code == 0 else f"failed (exit {self.exit_code})"
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children first), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        child = todo.pop()
+        out.append(child)
+        todo.extend(children.get(child, []))
+    return out
+
+
+def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, kills: str = "",
+              restart_delay: float = 1.0, timeout_s: float = 3600.0, progress_every_s: float = 5.0,
+              out=sys.stdout) -> dict:
+    """Run the experiment as ``replicas`` groups of ``nproc`` ranks; returns the summary also written."""
+    if replicas < 1 or nproc < 1:
+        raise ConfigError(f"--replicas and --nproc: expected values >= 1, got {replicas} and {nproc}")
+    if restart_delay < 0:
+        raise ConfigError(f"--restart-delay: expected seconds >= 0, got {restart_delay}")
+    overrides = [o[2:] if o.startswith("--") else o for o in overrides]
+    ft = ["ft.enable=true", f"ft.num_replicas={replicas}"]
+    cfg = load_config(config, [*overrides, *ft])
+    plan = parse_kills(kills, replicas, cfg.train.steps)
+    run_dir = cfg.run.dir or os.path.join(
+        cfg.run.out_dir, f"{cfg.run.name}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}")
+    os.makedirs(run_dir, exist_ok=True)
+
+    options = LighthouseOptions(bind="127.0.0.1:0", min_replicas=cfg.ft.min_replicas)
+    lighthouse = start_lighthouse(options)
+    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.pop("TORCHFT_LIGHTHOUSE", None)
+    groups = []
+    for r in range(replicas):
+        group_dir = os.path.join(run_dir, f"replica{r}")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "freescale", "train", "--config", config, *(f"--{o}" for o in overrides),
+               *(f"--{o}" for o in ft), f"--ft.replica_id={r}", f"--ft.lighthouse={address}", f"--run.dir={group_dir}"]
+        groups.append(Group(r, cmd, group_dir, os.path.join(run_dir, f"replica{r}.console.log"), env,
+                            kills=[k.step for k in plan if k.replica == r]))
+    print(f"[local] {replicas} replica group(s) x {nproc} rank(s), lighthouse {address}, run folder {run_dir}"
+          + (f", kills {kills}" if plan else ""), file=out, flush=True)
+
+    started = time.time()
+    try:
+        for g in groups:
+            g.start()
+        _watch(groups, cfg, restart_delay, started + timeout_s, progress_every_s, out)
+    finally:
+        for g in groups:
+            if g.proc is not None:
+                g.kill()
+        lighthouse.shutdown()
+    summary = summarize(run_dir, cfg, groups, nproc, wall_s=time.time() - started, address=address)
+    write_json_atomic(os.path.join(run_dir, SUMMARY_FILE), summary)
+    _print_summary(summary, out)
+    return summary
+
+
+def _watch(groups: list[Group], cfg: ExperimentConfig, restart_delay: float, deadline: float,
+           progress_every_s: float, out) -> None:
+    last_line = 0.0
+    while True:
+        now = time.time()
+        for g in groups:
+            if g.proc is not None and g.kills and g.step() >= g.kills[0]:
+                step = g.kills.pop(0)
+                g.kill()
+                g.failures.append(Failure(step=step, killed_at=time.time()))
+                g.restart_at = time.time() + restart_delay
+                print(f"[local] replica {g.replica} killed (SIGKILL) at committed step {g.step()}; "
+                      f"restart in {restart_delay:.1f} s", file=out, flush=True)
+            elif g.proc is None and g.restart_at is not None and now >= g.restart_at:
+                g.restart_at = None
+                g.failures[-1].restarted_at = time.time()
+                g.start()
+                print(f"[local] replica {g.replica} restarted", file=out, flush=True)
+            elif g.proc is not None and g.proc.poll() is not None:
+                g.exit_code, g.proc = g.proc.returncode, None
+                if g.exit_code:
+                    print(f"[local] replica {g.replica} failed with exit code {g.exit_code} (see {g.console})",
+                          file=out, flush=True)
+        if all(g.proc is None and g.restart_at is None for g in groups):
+            return
+        if now - last_line >= progress_every_s:
+            last_line = now
+            print("[local] " + " | ".join(f"replica {g.replica} {g.state(now)}" for g in groups)
+                  + f" (of {cfg.train.steps})", file=out, flush=True)
+        if now > deadline:
+            raise TimeoutError("the replica groups did not finish within --timeout")
+        time.sleep(0.05)
+
+
+def read_commits(run_dir: str) -> list[dict]:
+    path = os.path.join(run_dir, COMMITS_FILE)
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def longest_gap(times: list[float], start: float, end: float) -> float:
+    """The longest interval between consecutive ``times`` that overlaps [start, end]."""
+    times = sorted(times)
+    gaps = [b - a for a, b in zip(times, times[1:]) if b >= start and a <= end]
+    return max(gaps, default=0.0)
+
+
+def summarize(run_dir: str, cfg: ExperimentConfig, groups: list[Group], nproc: int, *, wall_s: float,
+              address: str) -> dict:
+    commits = {g.replica: read_commits(g.run_dir) for g in groups}
+    per_group = []
+    for g in groups:
+        failures = []
+        for f in g.failures:
+            after = [c["time"] for c in commits[g.replica] if f.restarted_at and c["time"] >= f.restarted_at]
+            rejoined = min(after) if after else None
+            until = rejoined if rejoined is not None else time.time()
+            failures.append({
+                "killed_at_step": f.step,
+                "restart_delay_s": round(f.restarted_at - f.killed_at, 3) if f.restarted_at else None,
+                "time_to_rejoin_s": round(rejoined - f.restarted_at, 3) if rejoined else None,
+                "stall_s": {f"replica{o.replica}": round(longest_gap([c["time"] for c in commits[o.replica]],
+                                                                   f.killed_at, until), 3)
+                            for o in groups if o is not g},
+            })
+        per_group.append({
+            "replica": g.replica,
+            "exit_code": g.exit_code,
+            "committed_steps": len(commits[g.replica]),
+            "trained_steps": sum(1 for c in commits[g.replica] if c["trained"]),
+            "last_step": commits[g.replica][-1]["step"] if commits[g.replica] else 0,
+            "failures": failures,
+            "console": g.console,
+        })
+    return {"run_dir": run_dir, "lighthouse": address, "replicas": len(groups), "ranks_per_replica": nproc,
+            "steps": cfg.train.steps, "wall_s": round(wall_s, 3), "groups": per_group,
+            "max_stall_s": max((s for p in per_group for f in p["failures"] for s in f["stall_s"].values()), default=0.0),
+            "ledger": ledger_check(cfg, groups, nproc) if cfg.train.ledger else None}
+
+
+def ledger_check(cfg: ExperimentConfig, groups: list[Group], nproc: int) -> dict:
+    """Every batch of every group's shard before its cursor, trained exactly once."""
+    records, expected = [], {}
+    for g in groups:
+        cursor = ReplicaFiles(g.run_dir).read_cursor()
+        positions = range(cursor["next_batch"] if cursor else 0)
+        expected.update(expected_samples(cfg, [p * len(groups) + g.replica for p in positions], nproc))
+        try:
+            records += read_ledger(g.run_dir)
+        except FileNotFoundError:
+            pass
+    return audit(records, expected) | {"batches": len(expected)}
+
+
+def _print_summary(summary: dict, out) -> None:
+    for p in summary["groups"]:
+        print(f"[local] replica {p['replica']}: exit {p['exit_code']}, {p['committed_steps']} committed steps "
+              f"({p['trained_steps']} on its own batches), last step {p['last_step']}", file=out)
+        for f in p["failures"]:
+            stalls = ", ".join(f"{k} {v:.2f} s" for k, v in f["stall_s"].items())
+            print(f"[local]   killed at step {f['killed_at_step']}: rejoined {f['time_to_rejoin_s']} s after its "
+                  f"restart; longest stall of the others: {stalls}", file=out)
+    ledger = summary["ledger"]
+    if ledger:
+        print(f"[local] ledger: {ledger['batches']} batches, samples lost {ledger['samples_lost']}, "
+              f"repeated {ledger['samples_repeated']}", file=out)
+    print(f"[local] wrote {os.path.join(summary['run_dir'], SUMMARY_FILE)}", file=out, flush=True)
+
+
+def succeeded(summary: dict) -> bool:
+    ledger = summary["ledger"]
+    return (all(p["exit_code"] == 0 for p in summary["groups"])
+            and (ledger is None or (ledger["samples_lost"] == 0 and ledger["samples_repeated"] == 0
+                                    and ledger["unexpected"] == 0)))
