@@ -70,6 +70,7 @@ def _parser() -> argparse.ArgumentParser:
     loc.add_argument("--nproc", type=int, required=True, help="ranks per replica group")
     loc.add_argument("--kill", default="", help="REPLICA@STEP,...: SIGKILL the group when it has committed STEP")
     loc.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a killed group restarts (default 1)")
+    loc.add_argument("--max-restarts", type=int, default=3, help="restarts of a group that crashes (default 3)")
     loc.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
     show = sub.add_parser("config", help="print the resolved config (or every key with its docs)")
     show.add_argument("--config", help="experiment YAML file")
@@ -236,7 +237,8 @@ def _local(args, extra: list[str]) -> None:
     try:
         overrides = _split_overrides(extra)
         summary = run_local(args.config, overrides, replicas=args.replicas, nproc=args.nproc, kills=args.kill,
-                            restart_delay=args.restart_delay, timeout_s=args.timeout)
+                            restart_delay=args.restart_delay, max_restarts=args.max_restarts,
+                            timeout_s=args.timeout)
     except (ConfigError, ValueError) as e:
         _fail(str(e))
     except TimeoutError as e:

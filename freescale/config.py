@@ -249,6 +249,8 @@ class FaultConfig:
     """Inject a fault as this step begins (0 = never), to test recovery and clean-up."""
     ranks: list[int] = field(default_factory=list)
     """Ranks (within the replica) that fail; empty = every rank."""
+    replicas: list[int] = field(default_factory=list)
+    """Under the replica layer: the replica groups that fail (empty = every group); the fault then fires once per run folder."""
     kind: Literal["raise", "exit"] = "raise"
     """raise: an exception in the training loop; exit: the process ends at once, as a crash would."""
     during: Literal["step", "allreduce", "catch_up"] = "step"

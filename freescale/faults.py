@@ -9,8 +9,10 @@
   closed or written after it, which is what checkpoints and the ledger must survive.
 
 ``fault.during`` places it inside step N instead of at its start: ``allreduce`` (inside the
-cross-replica all-reduce of the replica layer) or ``catch_up`` (while a rejoining replica loads
-a peer's state).
+cross-replica all-reduce of the replica layer) or ``catch_up`` (while a group that rejoins
+loads a peer's state, at its first catch-up at or after step N). Under the replica layer
+``fault.replicas`` picks the groups (empty: every one), and a fault fires once per run folder
+(a marker file under ``faults/``): the group, restarted with the same config, goes on.
 
 Off (``at_step: 0``, the default) the trainer holds a ``NullFaults`` that does nothing.
 """
@@ -28,11 +30,12 @@ class InjectedFault(RuntimeError):
 class FaultInjector:
     EXIT_CODE = 43  # what an ``exit`` fault ends the process with
 
-    def __init__(self, at_step: int, kind: str, rank: int, during: str = "step") -> None:
+    def __init__(self, at_step: int, kind: str, rank: int, during: str = "step", marker: str = "") -> None:
         self.at_step = at_step
         self.kind = kind
         self.rank = rank
         self.during = during
+        self.marker = marker  # a file that says the fault has fired ("": no record, it fires every launch)
 
     def before_step(self, step: int) -> None:
         """``step``: the number the step will have once done (1-based)."""
@@ -40,8 +43,13 @@ class FaultInjector:
 
     def at(self, point: str, step: int) -> None:
         """Strike if the fault is declared at ``point`` of step ``step``."""
-        if step != self.at_step or point != self.during:
+        if point != self.during or (step < self.at_step if point == "catch_up" else step != self.at_step):
             return
+        if self.marker:
+            if os.path.exists(self.marker):
+                return
+            os.makedirs(os.path.dirname(self.marker), exist_ok=True)
+            open(self.marker, "w").close()
         where = "" if point == "step" else f" during {point.replace('_', '-')}"
         if self.kind == "exit":
             print(f"[fault] rank {self.rank} exits at step {step}{where}", file=sys.stderr, flush=True)
@@ -57,8 +65,15 @@ class NullFaults:
         pass
 
 
-def build_faults(cfg, rank: int):
-    """A FaultInjector when ``cfg.at_step`` is set and this rank is one of ``cfg.ranks`` (or they are empty)."""
-    if cfg.at_step and (not cfg.ranks or rank in cfg.ranks):
+def build_faults(cfg, rank: int, replica: int | None = None, run_dir: str = ""):
+    """A FaultInjector when ``cfg.at_step`` is set and this rank is one of ``cfg.ranks`` (or they
+    are empty); under the replica layer (``replica`` given) also one of ``cfg.replicas``, fired
+    once per run folder."""
+    if not cfg.at_step or (cfg.ranks and rank not in cfg.ranks):
+        return NullFaults()
+    if replica is None:
         return FaultInjector(cfg.at_step, cfg.kind, rank, cfg.during)
-    return NullFaults()
+    if cfg.replicas and replica not in cfg.replicas:
+        return NullFaults()
+    marker = os.path.join(run_dir, "faults", f"rank{rank}-{cfg.during}-step{cfg.at_step}")
+    return FaultInjector(cfg.at_step, cfg.kind, rank, cfg.during, marker)

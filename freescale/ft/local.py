@@ -4,8 +4,9 @@ Each replica group is one ``torchrun`` job (its own process session, so a kill t
 and all its ranks, as a lost host would), training into ``<run>/replica<r>/``. The launcher
 watches every group's committed steps (its data cursor, ``ft_cursor.json``), SIGKILLs a group
 when it reaches the step named in ``--kill R@S``, starts it again after ``--restart-delay``
-seconds (it catches up from a live peer and resumes its data shard), prints a progress line per
-group, waits for the end and writes ``<run>/local_summary.json``:
+seconds (it catches up from a live peer and resumes its data shard), restarts a group that
+crashes the same way (up to ``--max-restarts`` times; never one that exits with a usage error),
+prints a progress line per group, waits for the end and writes ``<run>/local_summary.json``:
 
 - per group: committed steps, steps that trained its own batch, exit code, console log;
 - per failure: when it was killed and restarted, the time to rejoin (restart to its first
@@ -33,6 +34,7 @@ from freescale.io import write_json_atomic
 from freescale.train.ledger import audit, expected_samples, read_ledger
 
 SUMMARY_FILE = "local_summary.json"
+EXIT_USAGE = 2  # a group that exits with it (bad config or input) is not restarted
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ def parse_kills(text: str, replicas: int, steps: int) -> list[Kill]:
 class Failure:
     step: int
     killed_at: float
+    cause: str = "killed"
     restarted_at: float | None = None
 
 
@@ -129,8 +132,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, kills: str = "",
-              restart_delay: float = 1.0, timeout_s: float = 3600.0, progress_every_s: float = 5.0,
-              out=sys.stdout) -> dict:
+              restart_delay: float = 1.0, max_restarts: int = 3, timeout_s: float = 3600.0,
+              progress_every_s: float = 5.0, out=sys.stdout) -> dict:
     """Run the experiment as ``replicas`` groups of ``nproc`` ranks; returns the summary also written."""
     if replicas < 1 or nproc < 1:
         raise ConfigError(f"--replicas and --nproc: expected values >= 1, got {replicas} and {nproc}")
@@ -165,7 +168,7 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
     try:
         for g in groups:
             g.start()
-        _watch(groups, cfg, restart_delay, started + timeout_s, progress_every_s, out)
+        _watch(groups, cfg, restart_delay, max_restarts, started + timeout_s, progress_every_s, out)
     finally:
         for g in groups:
             if g.proc is not None:
@@ -177,7 +180,7 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
     return summary
 
 
-def _watch(groups: list[Group], cfg: ExperimentConfig, restart_delay: float, deadline: float,
+def _watch(groups: list[Group], cfg: ExperimentConfig, restart_delay: float, max_restarts: int, deadline: float,
            progress_every_s: float, out) -> None:
     last_line = 0.0
     while True:
@@ -198,8 +201,13 @@ def _watch(groups: list[Group], cfg: ExperimentConfig, restart_delay: float, dea
             elif g.proc is not None and g.proc.poll() is not None:
                 g.exit_code, g.proc = g.proc.returncode, None
                 if g.exit_code:
-                    print(f"[local] replica {g.replica} failed with exit code {g.exit_code} (see {g.console})",
-                          file=out, flush=True)
+                    crashes = sum(1 for f in g.failures if f.cause != "killed")
+                    again = g.exit_code != EXIT_USAGE and crashes < max_restarts
+                    print(f"[local] replica {g.replica} failed with exit code {g.exit_code} (see {g.console})"
+                          + (f"; restart in {restart_delay:.1f} s" if again else ""), file=out, flush=True)
+                    if again:
+                        g.failures.append(Failure(step=g.step(), killed_at=time.time(), cause=f"exit {g.exit_code}"))
+                        g.restart_at = time.time() + restart_delay
         if all(g.proc is None and g.restart_at is None for g in groups):
             return
         if now - last_line >= progress_every_s:
@@ -237,7 +245,10 @@ def summarize(run_dir: str, cfg: ExperimentConfig, groups: list[Group], nproc: i
             rejoined = min(after) if after else None
             until = rejoined if rejoined is not None else time.time()
             failures.append({
-                "killed_at_step": f.step,
+                "cause": f.cause,
+                "at_step": f.step,
+                "down_at": round(f.killed_at, 3),
+                "rejoined_at": round(rejoined, 3) if rejoined else None,
                 "restart_delay_s": round(f.restarted_at - f.killed_at, 3) if f.restarted_at else None,
                 "time_to_rejoin_s": round(rejoined - f.restarted_at, 3) if rejoined else None,
                 "stall_s": {f"replica{o.replica}": round(longest_gap([c["time"] for c in commits[o.replica]],
@@ -279,7 +290,7 @@ def _print_summary(summary: dict, out) -> None:
               f"({p['trained_steps']} on its own batches), last step {p['last_step']}", file=out)
         for f in p["failures"]:
             stalls = ", ".join(f"{k} {v:.2f} s" for k, v in f["stall_s"].items())
-            print(f"[local]   killed at step {f['killed_at_step']}: rejoined {f['time_to_rejoin_s']} s after its "
+            print(f"[local]   {f['cause']} at step {f['at_step']}: rejoined {f['time_to_rejoin_s']} s after its "
                   f"restart; longest stall of the others: {stalls}", file=out)
     ledger = summary["ledger"]
     if ledger:

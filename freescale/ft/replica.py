@@ -154,6 +154,7 @@ class ReplicaLayer:
         self._saved = None
         self._synced = None
         self._step = 1
+        self._failed: set[int] = set()
         timeout = timedelta(seconds=ft.timeout_s)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
@@ -234,7 +235,8 @@ class ReplicaLayer:
     def vote(self) -> Vote:
         step = self._step
         participating = self.manager.is_participating()
-        if step in self.cfg.fail_commit_at:
+        if step in self.cfg.fail_commit_at and step not in self._failed:
+            self._failed.add(step)  # the replayed attempt commits
             self.manager.report_error(InjectedFault(f"injected commit failure at step {step}"))
         self._scale_lr()
         stepped = self.manager.should_commit()

@@ -190,7 +190,7 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
 
     # The loop. Python's collector runs on a schedule shared by all ranks: left to itself it
     # pauses one rank at a time, and every pause becomes a straggler bubble on the others.
-    faults = build_faults(cfg.fault, topo.rank)
+    faults = build_faults(cfg.fault, topo.rank, cfg.ft.replica_id if cfg.ft.enable else None, run_dir)
     collector = GarbageCollector(cfg.train.gc_every)
     closing.callback(collector.close)
     # The replica layer (a NullReplica when ft is off), made last: the lighthouse counts this

@@ -1,0 +1,135 @@
+"""The replica layer's pure parts: kill plans, stall measure, the state handed to a group that
+catches up, cursor files, faults under the layer, data shards, config checks, the lighthouse."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from freescale.config import ConfigError, SyntheticDataConfig, load_config
+from freescale.data.loader import BatchLoader
+from freescale.data.synthetic import SyntheticSource
+from freescale.faults import FaultInjector, NullFaults, build_faults
+from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse
+from freescale.ft.local import descendants, longest_gap, parse_kills
+from freescale.ft.replica import ReplicaFiles, transfer_state
+from helpers.launch import REPO, freescale
+
+FT_LOCAL = REPO / "configs" / "ft_local.yaml"
+
+
+def test_kill_plans_parse_and_bad_ones_name_the_item():
+    assert [(k.replica, k.step) for k in parse_kills("1@10, 0@30", replicas=2, steps=100)] == [(0, 30), (1, 10)]
+    assert parse_kills("", replicas=2, steps=100) == []
+    for text, message in [("1-10", "expected REPLICA@STEP"), ("2@10", "replica 2 does not exist"),
+                          ("0@100", "expected a step in 1..99"), ("0@0", "expected a step in 1..99")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_kills(text, replicas=2, steps=100)
+
+
+def test_the_stall_is_the_longest_gap_that_overlaps_the_failure():
+    times = [0.0, 1.0, 1.5, 4.0, 4.1, 9.0]
+    assert longest_gap(times, start=1.2, end=4.05) == 2.5  # 1.5 -> 4.0
+    assert longest_gap(times, start=4.2, end=5.0) == pytest.approx(4.9)  # 4.1 -> 9.0 spans the window
+    assert longest_gap(times, start=20.0, end=30.0) == 0.0
+
+
+def test_the_transferred_state_is_a_copy_the_live_state_cannot_change():
+    live = torch.ones(4)
+    state = {"model": {"w": live, "n": 3}, "trainer": {"step": torch.tensor(7)}}
+    copy = transfer_state(state)
+    live.add_(1.0)
+    assert torch.equal(copy["model"]["w"], torch.ones(4)) and copy["model"]["n"] == 3
+    assert int(copy["trainer"]["step"]) == 7
+
+
+def test_the_cursor_round_trips_and_a_bad_one_is_named(tmp_path):
+    files = ReplicaFiles(str(tmp_path))
+    assert files.read_cursor() is None
+    files.write(step=5, next_batch=4, trained=True)
+    files.write(step=6, next_batch=4, trained=False)
+    assert files.read_cursor() == {"step": 6, "next_batch": 4}
+    lines = [json.loads(line) for line in open(files.commits_path)]
+    assert [(c["step"], c["trained"]) for c in lines] == [(5, True), (6, False)]
+    with open(files.cursor_path, "w") as f:
+        f.write("{not json")
+    with pytest.raises(ValueError, match="ft_cursor.json: unreadable data cursor"):
+        files.read_cursor()
+
+
+def test_faults_under_the_layer_pick_groups_and_fire_once(tmp_path):
+    cfg = load_config(FT_LOCAL, ["fault.at_step=3", "fault.during=allreduce", "fault.replicas=[1]"]).fault
+    assert isinstance(build_faults(cfg, rank=0, replica=0, run_dir=str(tmp_path)), NullFaults)
+    faults = build_faults(cfg, rank=0, replica=1, run_dir=str(tmp_path))
+    faults.at("step", 3)
+    faults.at("allreduce", 2)
+    with pytest.raises(RuntimeError, match="injected fault at step 3 during allreduce"):
+        faults.at("allreduce", 3)
+    build_faults(cfg, rank=0, replica=1, run_dir=str(tmp_path)).at("allreduce", 3)  # fired already: nothing
+    catch_up = FaultInjector(5, "raise", rank=0, during="catch_up")
+    catch_up.at("catch_up", 4)
+    with pytest.raises(RuntimeError, match="during catch-up"):
+        catch_up.at("catch_up", 9)  # the first catch-up at or after step 5
+
+
+def test_each_group_trains_its_own_shard_of_the_stream():
+    source = SyntheticSource(SyntheticDataConfig(num_items=64), seed=0, split="train", min_uih_len=1,
+                             max_uih_len=16, num_candidates=1)
+    shards = [BatchLoader(source, batch_size=2, rank=0, world_size=1, user_hash_size=10, shard=s, shards=3)
+              for s in range(3)]
+    seen = []
+    for loader in shards:
+        it = loader.iter_samples()
+        seen += [next(it)[0] for _ in range(4)]
+        assert loader.next_batch == 4 and loader.position_after(loader.batch_at(3)) == 4
+    assert sorted(seen) == list(range(12))
+
+
+def test_config_checks_of_the_layer():
+    for overrides, message in [(["ft.replica_id=2", "ft.num_replicas=2"], "ft.replica_id: expected < ft.num_replicas"),
+                               (["ft.min_replicas=3", "ft.num_replicas=2"], "ft.min_replicas: expected <="),
+                               (["train.pipeline=sparse_dist"], "ft.enable: the replica layer trains with train.pipeline: sync"),
+                               (["ft.enable=false", "fault.during=allreduce"], "fault.during: allreduce needs the replica layer")]:
+        with pytest.raises(ConfigError, match=message):
+            load_config(FT_LOCAL, overrides)
+
+
+def test_the_lighthouse_refuses_a_taken_port_in_one_line():
+    first = start_lighthouse(LighthouseOptions(bind="127.0.0.1:0"))
+    port = first.address().rsplit(":", 1)[1]
+    try:
+        with pytest.raises(ValueError, match=f"cannot start the lighthouse on 127.0.0.1:{port}: Address already in use"):
+            start_lighthouse(LighthouseOptions(bind=f"127.0.0.1:{port}"))
+    finally:
+        first.shutdown()
+    with pytest.raises(ValueError, match="--bind: expected HOST:PORT"):
+        start_lighthouse(LighthouseOptions(bind="nowhere"))
+
+
+def test_descendants_finds_the_whole_tree():
+    import subprocess
+    import sys
+
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess,sys,time; "
+                               "p=subprocess.Popen([sys.executable,'-c','import time; time.sleep(30)']); "
+                               "print(p.pid, flush=True); time.sleep(30)"], stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(parent.stdout.readline())
+        assert child in descendants(parent.pid) and os.getpid() not in descendants(parent.pid)
+    finally:
+        for pid in (child, parent.pid):
+            os.kill(pid, 9)
+        parent.wait()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kill", "3@5"], "--kill 3@5: replica 3 does not exist"),
+    (["--kill", "1@5", "--train.pipeline=prioritized"], "ft.enable: the replica layer trains with train.pipeline: sync"),
+    (["--restart-delay", "-1"], "--restart-delay: expected seconds >= 0"),
+])
+def test_local_refuses_bad_input_in_one_line(args, message):
+    proc = freescale("local", "--config", str(FT_LOCAL), "--replicas", "2", "--nproc", "1", *args, timeout=60)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("freescale: error: "), proc.stderr
+    assert message in lines[0]
