@@ -68,8 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     loc.add_argument("--config", required=True, help="experiment YAML file")
     loc.add_argument("--replicas", type=int, required=True, help="replica groups (torchrun jobs)")
     loc.add_argument("--nproc", type=int, required=True, help="ranks per replica group")
-    loc.add_argument("--kill", default="", help="REPLICA@STEP,...: SIGKILL the group when it has committed STEP")
+    loc.add_argument("--kill", default="", help="REPLICA@STEP,...: SIGKILL the group once it has trained STEP batches of its shard")
     loc.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a killed group restarts (default 1)")
+    loc.add_argument("--resume", action="store_true",
+                     help="a restarted group resumes from its last checkpoint instead of catching up from a live peer")
     loc.add_argument("--max-restarts", type=int, default=3, help="restarts of a group that crashes (default 3)")
     loc.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
     show = sub.add_parser("config", help="print the resolved config (or every key with its docs)")
@@ -237,7 +239,7 @@ def _local(args, extra: list[str]) -> None:
     try:
         overrides = _split_overrides(extra)
         summary = run_local(args.config, overrides, replicas=args.replicas, nproc=args.nproc, kills=args.kill,
-                            restart_delay=args.restart_delay, max_restarts=args.max_restarts,
+                            restart_delay=args.restart_delay, max_restarts=args.max_restarts, resume=args.resume,
                             timeout_s=args.timeout)
     except (ConfigError, ValueError) as e:
         _fail(str(e))

@@ -2,10 +2,12 @@
 
 Each replica group is one ``torchrun`` job (its own process session, so a kill takes the agent
 and all its ranks, as a lost host would), training into ``<run>/replica<r>/``. The launcher
-watches every group's committed steps (its data cursor, ``ft_cursor.json``), SIGKILLs a group
-when it reaches the step named in ``--kill R@S``, starts it again after ``--restart-delay``
+watches every group's committed steps (its data cursor, ``ft_cursor.json``), SIGKILLs group R
+once it has trained S batches of its own shard (``--kill R@S``: S committed steps on its own
+data; a group that joins late catches up first, so the kill always lands on real work), starts it again after ``--restart-delay``
 seconds (it catches up from a live peer and resumes its data shard), restarts a group that
-crashes the same way (up to ``--max-restarts`` times; never one that exits with a usage error),
+crashes the same way (up to ``--max-restarts`` times; never one that exits with a usage error;
+with ``--resume`` from its last checkpoint instead of from a peer),
 prints a progress line per group, waits for the end and writes ``<run>/local_summary.json``:
 
 - per group: committed steps, steps that trained its own batch, exit code, console log;
@@ -44,7 +46,7 @@ class Kill:
 
 
 def parse_kills(text: str, replicas: int, steps: int) -> list[Kill]:
-    """``"1@10,0@30"`` -> kills; one-line errors name the bad item."""
+    """``"1@10,0@30"`` -> kills (group, batches of its shard trained); one-line errors name the bad item."""
     kills = []
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         replica, at, step = item.partition("@")
@@ -82,9 +84,9 @@ class Group:
     restart_at: float | None = None
     exit_code: int | None = None
 
-    def start(self) -> None:
+    def start(self, extra: tuple[str, ...] = ()) -> None:
         with open(self.console, "a") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, env=self.env,
+            self.proc = subprocess.Popen([*self.cmd, *extra], stdout=out, stderr=subprocess.STDOUT, env=self.env,
                                          start_new_session=True)
 
     def kill(self) -> None:
@@ -97,12 +99,16 @@ class Group:
         self.proc.wait()
         self.proc = None
 
-    def step(self) -> int:
+    def cursor(self) -> dict:
         try:
             cursor = ReplicaFiles(self.run_dir).read_cursor()
         except ValueError:
-            return 0  # (never seen half-written: the cursor is replaced atomically)
-        return cursor["step"] if cursor else 0
+            cursor = None  # (never seen half-written: the cursor is replaced atomically)
+        return cursor or {"step": 0, "next_batch": 0}
+
+    def step(self) -> int:
+        """The last step this group committed."""
+        return self.cursor()["step"]
 
     def state(self, now: float) -> str:
         if self.proc is not None:
@@ -132,9 +138,12 @@ def descendants(pid: int) -> list[int]:
 
 
 def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, kills: str = "",
-              restart_delay: float = 1.0, max_restarts: int = 3, timeout_s: float = 3600.0,
+              restart_delay: float = 1.0, max_restarts: int = 3, resume: bool = False, timeout_s: float = 3600.0,
               progress_every_s: float = 5.0, out=sys.stdout) -> dict:
-    """Run the experiment as ``replicas`` groups of ``nproc`` ranks; returns the summary also written."""
+    """Run the experiment as ``replicas`` groups of ``nproc`` ranks; returns the summary also written.
+
+    ``resume``: a restarted group resumes from its own last checkpoint instead of catching up
+    from a live peer (what a job without the replica layer must do)."""
     if replicas < 1 or nproc < 1:
         raise ConfigError(f"--replicas and --nproc: expected values >= 1, got {replicas} and {nproc}")
     if restart_delay < 0:
@@ -168,7 +177,7 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
     try:
         for g in groups:
             g.start()
-        _watch(groups, cfg, restart_delay, max_restarts, started + timeout_s, progress_every_s, out)
+        _watch(groups, cfg, restart_delay, max_restarts, resume, started + timeout_s, progress_every_s, out)
     finally:
         for g in groups:
             if g.proc is not None:
@@ -180,23 +189,23 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
     return summary
 
 
-def _watch(groups: list[Group], cfg: ExperimentConfig, restart_delay: float, max_restarts: int, deadline: float,
-           progress_every_s: float, out) -> None:
+def _watch(groups: list[Group], cfg: ExperimentConfig, restart_delay: float, max_restarts: int, resume: bool,
+           deadline: float, progress_every_s: float, out) -> None:
     last_line = 0.0
     while True:
         now = time.time()
         for g in groups:
-            if g.proc is not None and g.kills and g.step() >= g.kills[0]:
-                step = g.kills.pop(0)
+            if g.proc is not None and g.kills and g.cursor()["next_batch"] >= g.kills[0]:
+                trained = g.kills.pop(0)
                 g.kill()
-                g.failures.append(Failure(step=step, killed_at=time.time()))
+                g.failures.append(Failure(step=g.step(), killed_at=time.time()))
                 g.restart_at = time.time() + restart_delay
-                print(f"[local] replica {g.replica} killed (SIGKILL) at committed step {g.step()}; "
-                      f"restart in {restart_delay:.1f} s", file=out, flush=True)
+                print(f"[local] replica {g.replica} killed (SIGKILL) after {trained} batches of its shard, at "
+                      f"committed step {g.step()}; restart in {restart_delay:.1f} s", file=out, flush=True)
             elif g.proc is None and g.restart_at is not None and now >= g.restart_at:
                 g.restart_at = None
                 g.failures[-1].restarted_at = time.time()
-                g.start()
+                g.start((f"--checkpoint.resume={g.run_dir}",) if resume else ())
                 print(f"[local] replica {g.replica} restarted", file=out, flush=True)
             elif g.proc is not None and g.proc.poll() is not None:
                 g.exit_code, g.proc = g.proc.returncode, None

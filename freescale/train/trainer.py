@@ -160,8 +160,9 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         log.info(f"resumed from {resume_from} at step {trainer.step}")
     first_step = trainer.step
     # A replica group that comes back resumes its own data shard where its last committed step
-    # ended; its model state comes from a healthy peer at its first step.
-    rejoin = ReplicaFiles(run_dir).read_cursor() if cfg.ft.enable else None
+    # ended; its model state comes from a healthy peer at its first step (unless it resumes
+    # from a checkpoint, whose cursor is the one that matches its state).
+    rejoin = ReplicaFiles(run_dir).read_cursor() if cfg.ft.enable and not resume_from else None
     if rejoin:
         cursor.load_state_dict({"next_batch": torch.tensor(rejoin["next_batch"])})
         log.info(f"replica {cfg.ft.replica_id} rejoins: its shard continues at batch "
