@@ -234,7 +234,7 @@ def _lighthouse(args) -> None:
 
 
 def _local(args, extra: list[str]) -> None:
-    from freescale.ft.local import run_local, succeeded
+    from freescale.local import run_local, succeeded
 
     try:
         overrides = _split_overrides(extra)

@@ -1,7 +1,7 @@
 """Benchmark of the replica layer against synchronous restart under the same failure schedule.
 
-    .venv/bin/python scripts/bench_ft.py [--replicas 2] [--nproc 1] [--steps 400] [--fail-at 70 250]
-        [--checkpoint-every 40] [--restart-delay 1] [--repeats 3] [--set section.key=value ...]
+    .venv/bin/python scripts/bench_ft.py [--replicas 2] [--nproc 1] [--steps 1200] [--fail-at 100 600]
+        [--checkpoint-every 50] [--restart-delay 1] [--repeats 3] [--set section.key=value ...]
 
 Both variants train ``configs/ft_local.yaml`` (``train.pipeline: sync``) with the same ranks,
 the same global batch and the same steps, through ``freescale local``; the variants alternate
@@ -41,7 +41,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from freescale.ft.local import read_commits, run_local  # noqa: E402
+from freescale.local import read_commits, run_local  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
 
 CONFIG = os.path.join(REPO, "configs", "ft_local.yaml")
@@ -105,14 +105,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--nproc", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--fail-at", type=int, nargs="+", default=[70, 250])
-    parser.add_argument("--checkpoint-every", type=int, default=40)
+    parser.add_argument("--steps", type=int, default=1200)
+    parser.add_argument("--fail-at", type=int, nargs="+", default=[100, 600])
+    parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--restart-delay", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for both variants")
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_ft.json"))
     args = parser.parse_args()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     started = time.time()
     runs = {v: [] for v in VARIANTS}
     with tempfile.TemporaryDirectory(prefix="bench_ft-") as root:

@@ -272,10 +272,6 @@ class ReplicaLayer:
         if self.rank == 0:
             self.files.write(step, next_batch, trained)
 
-    @property
-    def participants(self) -> int:
-        return self.manager.num_participants()
-
     def close(self) -> None:
         self.manager.shutdown(wait=False)
 

@@ -12,7 +12,7 @@ from freescale.data.loader import BatchLoader
 from freescale.data.synthetic import SyntheticSource
 from freescale.faults import FaultInjector, NullFaults, build_faults
 from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse
-from freescale.ft.local import descendants, longest_gap, parse_kills
+from freescale.local import descendants, longest_gap, parse_kills
 from freescale.ft.replica import ReplicaFiles, transfer_state
 from helpers.launch import REPO, freescale
 
@@ -133,3 +133,23 @@ def test_local_refuses_bad_input_in_one_line(args, message):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("freescale: error: "), proc.stderr
     assert message in lines[0]
+
+
+def test_sqrt_lr_scaling_follows_the_participants():
+    from types import SimpleNamespace
+
+    from freescale.config import TrainConfig
+    from freescale.ft.replica import ReplicaLayer
+    from freescale.model.sharding import build_dense_optimizer
+
+    optimizer = build_dense_optimizer(torch.nn.Linear(2, 2), TrainConfig(lr=0.01))
+    layer = ReplicaLayer.__new__(ReplicaLayer)  # the scaling alone: no manager server, no lighthouse
+    participants = SimpleNamespace(n=4)
+    layer.manager = SimpleNamespace(num_participants=lambda: participants.n)
+    layer.optimizer, layer.base_lrs = optimizer, [g["lr"] for g in optimizer.param_groups]
+    layer.cfg = load_config(FT_LOCAL, ["ft.num_replicas=4", "ft.lr_scaling=sqrt"]).ft
+    inner = optimizer.optimizers[0][1]
+    for n, scale in [(4, 1.0), (1, 0.5), (2, 0.5 ** 0.5), (4, 1.0)]:
+        participants.n = n
+        layer._scale_lr()
+        assert [g["lr"] for g in inner.param_groups] == [pytest.approx(0.01 * scale)]

@@ -156,6 +156,7 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
         cfg.run.out_dir, f"{cfg.run.name}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}")
     os.makedirs(run_dir, exist_ok=True)
 
+    os.environ.setdefault("RUST_LOG", "warn")  # the in-process lighthouse would log every quorum
     options = LighthouseOptions(bind="127.0.0.1:0", min_replicas=cfg.ft.min_replicas)
     lighthouse = start_lighthouse(options)
     address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
@@ -204,6 +205,11 @@ def _watch(groups: list[Group], cfg: ExperimentConfig, restart_delay: float, max
                       f"committed step {g.step()}; restart in {restart_delay:.1f} s", file=out, flush=True)
             elif g.proc is None and g.restart_at is not None and now >= g.restart_at:
                 g.restart_at = None
+                if not resume and not any(o.proc is not None for o in groups if o is not g):
+                    print(f"[local] replica {g.replica} is not restarted: no other group is running to catch up "
+                          f"from (the others finished first; give the run more steps, or --resume)",
+                          file=out, flush=True)
+                    continue
                 g.failures[-1].restarted_at = time.time()
                 g.start((f"--checkpoint.resume={g.run_dir}",) if resume else ())
                 print(f"[local] replica {g.replica} restarted", file=out, flush=True)
