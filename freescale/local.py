@@ -96,7 +96,7 @@ class Group:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        self.proc.wait()
+        self.exit_code = self.proc.wait()  # -9 until a restart finishes
         self.proc = None
 
     def cursor(self) -> dict:

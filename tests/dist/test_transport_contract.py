@@ -124,6 +124,14 @@ def test_close_fails_the_queued_collectives(kind):
     run_ranks(2, _close_with_queued, kind)
 
 
+def _until_the_proxy_lets_go(t) -> None:
+    """wait() on an aborted collective returns as soon as the abort settles the handle; the
+    proxy running it tells the peers when it next looks at the latch, before it lets go."""
+    deadline = time.monotonic() + 10
+    while t.scheduler._running is not None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _abort(rank, world, kind):
     t = _build(kind, dist.new_group(), timeout_s=30)  # its own group: the barriers below stay apart
     t.all_gather(torch.tensor([rank])).wait()
@@ -140,6 +148,8 @@ def _abort(rank, world, kind):
         assert "replica 1 left the quorum" in str(t.errored())
         with pytest.raises(TransportError, match="replica 1 left the quorum"):
             t.all_gather(torch.zeros(1))  # refused at once, with the cause
+        if kind == "host_staged":
+            _until_the_proxy_lets_go(t)  # its part of `running` reached rank 1: the failure report must too
     dist.barrier()
     if rank == 1 and kind == "host_staged":
         t0 = time.monotonic()
@@ -172,11 +182,7 @@ def _failed_after_sending(rank, world):
         t.abort("replica 1 left the quorum")
         with pytest.raises(TransportError, match="replica 1 left the quorum"):
             sent.wait()
-        # wait() returns as soon as the abort settles the handle; the proxy running the
-        # collective tells the peers when it next looks at the latch, before it lets go.
-        deadline = time.monotonic() + 10
-        while t.scheduler._running is not None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _until_the_proxy_lets_go(t)
     dist.barrier()
     if rank == 1:  # its exchange completes at its first step; it must still fail
         with pytest.raises(TransportError, match="rank 0 failed this collective"):
