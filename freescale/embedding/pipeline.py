@@ -177,11 +177,12 @@ class EmbeddingPipeline:
         self._deferred: _Deferred | None = None
         self._started = False
         self.collision_rates: list[float] = []
-        # The replica layer (sync only): each step is voted on; a batch whose step did not
-        # commit (or that a group catching up did not train) is trained again.
+        # The replica layer: each step is voted on; a batch whose step did not commit (or that
+        # a group catching up did not train) is trained again.
         self.replica = replica if replica is not None else NullReplica()
         self.vote = COMMITTED
-        self._replay: Batch | None = None
+        self._replay: Batch | None = None  # sync
+        self._replay_after: tuple | None = None  # prioritized: the batch after next, already staged
 
     # Steps ---------------------------------------------------------------------------------
 
@@ -213,23 +214,33 @@ class EmbeddingPipeline:
         self.tables.update_looked_up(staged.looked_up, got)
         if not replica.enabled:
             self._dense_step()
-            return out
+        elif not self._commit(self._reduce_dense()):
+            self._replay = batch
+        return out
+
+    def _commit(self, dense: "DenseReduction") -> bool:
+        """Under the replica layer: the dense gradients averaged across the groups, the tables'
+        sync, the vote; the dense optimizer steps if the step committed. Whether this group's
+        batch was trained (if not, it is trained again)."""
         with self.timeline.span("optimizer"):
-            DenseReduction(self.dense_params, self.group, across=replica.reduce_dense).wait()
-        replica.sync_embeddings(self.tables)
-        self.vote = replica.vote()
+            dense.wait()
+        self.replica.sync_embeddings(self.tables)
+        self.vote = self.replica.vote()
         if self.vote.stepped:
             with self.timeline.span("optimizer"):
                 self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if not self.vote.trained:
-            self._replay = batch
-        return out
+        return self.vote.trained
 
     def _prioritized_step(self, batches: Iterator):
-        cur, nxt, tables = self._cur, self._next, self.tables
-        # The batch after next: its id exchange starts now and ends during this step.
-        after = self._stage(next(batches, None), wait=False) if nxt is not None else None
+        cur, nxt, tables, replica = self._cur, self._next, self.tables, self.replica
+        replica.begin()
+        # The batch after next: its id exchange starts now and ends during this step (a step
+        # trained again keeps the one it staged).
+        if self._replay_after is not None:
+            (after,), self._replay_after = self._replay_after, None
+        else:
+            after = self._stage(next(batches, None), wait=False) if nxt is not None else None
         early = flags = None
 
         def between_forward_and_backward() -> None:
@@ -249,6 +260,7 @@ class EmbeddingPipeline:
 
         # Batch i's forward and backward, on the rows assembled last step.
         loss, out, grads = self._forward_backward(cur.batch, cur.rows, between=between_forward_and_backward)
+        replica.before_update(tables, cur.route.ids)  # every row batch i writes, as it is
         dense = self._reduce_dense()
         if after is not None:
             with self.timeline.span("id_wait"):
@@ -276,7 +288,8 @@ class EmbeddingPipeline:
                 tables.lookup(_take(nxt.route.ids, hot_next)), _per_rank(nxt.route.recv_counts, hot_next),
                 _per_owner(nxt.route, nxt.sent_collide), lane=HIGH)
             self._deferred = self._send_deferred(cur, sent)
-        self._dense_step(dense)
+        if not replica.enabled:
+            self._dense_step(dense)
         if nxt is not None:
             with self.timeline.span("exclusive_wait"):
                 owner_major = early.wait()
@@ -285,6 +298,16 @@ class EmbeddingPipeline:
             if fresh.numel():
                 owner_major.index_copy_(0, nxt.sent_collide.nonzero().squeeze(1), fresh)
             nxt.rows = nxt.route.to_batch(owner_major)
+        if replica.enabled:
+            self._apply_deferred()  # under the replica layer every write of the step comes before its vote
+            if not self._commit(dense):
+                # Trained again: the tables are as the step found them (rolled back, or a
+                # peer's after a catch-up), so batch i's rows are read anew.
+                cur.rows = self._lookup_all(cur, track=True)
+                self._replay_after = (after,)
+                return out
+            if self.vote.rewritten and nxt is not None:
+                nxt.rows = self._lookup_all(nxt, track=True)  # read before the tables' sync: read anew
         self._cur, self._next = nxt, after
         if self._cur is not None and self._next is None:
             self.drain()  # the data ended: nothing is deferred past the last batch
@@ -383,8 +406,9 @@ class EmbeddingPipeline:
         return loss, out, grads
 
     def _reduce_dense(self):
-        """Start averaging the dense gradients over the replica."""
-        return DenseReduction(self.dense_params, self.group)
+        """Start averaging the dense gradients over the replica (and then over the replica groups)."""
+        return DenseReduction(self.dense_params, self.group,
+                              across=self.replica.reduce_dense if self.replica.enabled else None)
 
     def _dense_step(self, reduction: "DenseReduction | None" = None) -> None:
         reduction = reduction or self._reduce_dense()

@@ -55,10 +55,13 @@ COMMITS_FILE = "ft_commits.jsonl"
 @dataclass(frozen=True)
 class Vote:
     """How a step ended: ``stepped``, the model took the step (its counter advances);
-    ``trained``, this group's batch is in it (its cursor and ledger advance)."""
+    ``trained``, this group's batch is in it (its cursor and ledger advance); ``rewritten``,
+    the layer wrote table rows itself (the averaged rows of a sync, rolled-back rows, a peer's
+    state): rows read before the vote are stale."""
 
     stepped: bool
     trained: bool
+    rewritten: bool = False
 
 
 COMMITTED = Vote(stepped=True, trained=True)
@@ -240,6 +243,7 @@ class ReplicaLayer:
             self.manager.report_error(InjectedFault(f"injected commit failure at step {step}"))
         self._scale_lr()
         stepped = self.manager.should_commit()
+        rewritten = not participating or (self._synced is not None if stepped else self._saved is not None)
         if stepped:
             if self._synced is not None:
                 tables, (weight, *momentum) = self._synced
@@ -256,7 +260,7 @@ class ReplicaLayer:
             log.warning(f"step {step} not committed ({self.manager.errored() or 'too few replicas'}): "
                         f"rolled back, its batch is trained again")
         self._saved = self._synced = None
-        return Vote(stepped=stepped, trained=stepped and participating)
+        return Vote(stepped=stepped, trained=stepped and participating, rewritten=rewritten)
 
     def _scale_lr(self) -> None:
         if self.cfg.lr_scaling != "sqrt":

@@ -113,11 +113,13 @@ def test_three_groups_survive_a_kill_and_a_kill_during_catch_up(tmp_path):
     assert_groups_agree(run, 3, tmp_path)
 
 
-def test_a_group_killed_inside_the_cross_replica_allreduce(tmp_path):
+@pytest.mark.parametrize("pipeline", ["sync", "prioritized"])
+def test_a_group_killed_inside_the_cross_replica_allreduce(tmp_path, pipeline):
     run = tmp_path / "run"
     # Step 150: both groups are up by then, however far apart they started.
     proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--restart-delay", "0", "--fault.at_step=150",
-                          "--fault.during=allreduce", "--fault.kind=exit", "--fault.replicas=[1]", *LONG)
+                          "--fault.during=allreduce", "--fault.kind=exit", "--fault.replicas=[1]",
+                          f"--train.pipeline={pipeline}", *LONG)
     check(proc)
     assert "rank 0 exits at step 150 during allreduce" in (run / "replica1.console.log").read_text()
     # Group 0 was waiting in the same all-reduce: its step 150 fails, is rolled back and trained again.
@@ -135,14 +137,18 @@ def test_an_injected_commit_failure_leaves_no_trace(tmp_path):
     # end bitwise equal to the clean one (min_replicas 2: every step has both groups).
     args = ["--replicas", "2", "--nproc", "1", "--train.steps=12", "--checkpoint.at_end=true",
             "--ft.min_replicas=2", "--ft.embedding_sync_every=5", "--run.log_every=1"]
-    clean, failed = tmp_path / "clean", tmp_path / "failed"
+    # The prioritized pipeline under the same failures must end bitwise like the clean
+    # synchronous run too: its rollback covers the deferred rows, its replay the staged batches.
+    clean = tmp_path / "clean"
     check(local(clean, *args)[0])
-    proc, summary = local(failed, *args, "--ft.fail_commit_at=[4,9]")
-    check(proc)
-    for r in range(2):
-        log = (failed / f"replica{r}" / "logs" / f"replica{r}-rank0.log").read_text()
-        assert "step 4 not committed" in log and "step 9 not committed" in log
-        assert train_losses(clean / f"replica{r}") == train_losses(failed / f"replica{r}")
-        ref, got = final_state(clean / f"replica{r}", tmp_path), final_state(failed / f"replica{r}", tmp_path)
-        assert differing(ref, got, "") == []
-    assert_exactly_once(summary, 12)
+    for pipeline in ("sync", "prioritized"):
+        failed = tmp_path / f"failed-{pipeline}"
+        proc, summary = local(failed, *args, "--ft.fail_commit_at=[4,9]", f"--train.pipeline={pipeline}")
+        check(proc)
+        for r in range(2):
+            log = (failed / f"replica{r}" / "logs" / f"replica{r}-rank0.log").read_text()
+            assert "step 4 not committed" in log and "step 9 not committed" in log
+            assert train_losses(clean / f"replica{r}") == train_losses(failed / f"replica{r}")
+            ref, got = final_state(clean / f"replica{r}", tmp_path), final_state(failed / f"replica{r}", tmp_path)
+            assert differing(ref, got, "") == [], pipeline
+        assert_exactly_once(summary, 12)
