@@ -546,9 +546,9 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"ft.replica_id: expected < ft.num_replicas ({ft.num_replicas}), got {ft.replica_id}")
     if ft.min_replicas > ft.num_replicas:
         raise ConfigError(f"ft.min_replicas: expected <= ft.num_replicas ({ft.num_replicas}), got {ft.min_replicas}")
-    if ft.enable and cfg.train.pipeline not in ("sync", "prioritized"):
-        raise ConfigError(f"ft.enable: the replica layer trains FreeScale's own tables (train.pipeline: sync or "
-                          f"prioritized) for now, got {cfg.train.pipeline}")
+    if ft.enable and cfg.train.pipeline == "base":
+        raise ConfigError("ft.enable: the replica layer votes on the steps of train.pipeline sparse_dist, "
+                          "prioritized or sync, got base")
     if cfg.fault.during != "step" and not ft.enable:
         raise ConfigError(f"fault.during: {cfg.fault.during} needs the replica layer (ft.enable: true)")
 

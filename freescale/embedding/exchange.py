@@ -35,6 +35,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.device_mesh import DeviceMesh
 
+from freescale.ft.rows import kernel_blocks
 from freescale.transport.base import NORMAL
 
 FUSED_OPTIMIZERS = {"rowwise_adagrad": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "sgd": EmbOptimType.EXACT_SGD}
@@ -123,6 +124,11 @@ class ShardedTables(nn.Module):
         """Row-wise Adagrad's per-row state (a view), or None for SGD."""
         states = self.kernel.split_optimizer_states()
         return states[0][0] if states and states[0] else None
+
+    def row_block(self) -> list[torch.Tensor]:
+        """This rank's rows and their optimizer state, as the replica layer saves and averages them
+        (``freescale.ft.rows``)."""
+        return kernel_blocks(self.kernel)[0]
 
     def locate(self, table: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(owner rank, owner's local row) of global rows ``ids`` of table ``table``."""

@@ -210,7 +210,7 @@ class EmbeddingPipeline:
         route = staged.route
         with self.timeline.span("collision_wait"):
             got = self.transport.all_to_all_single(route.to_owner(grads), route.send_counts, route.recv_counts).wait()
-        replica.before_update(self.tables, route.ids)
+        replica.before_update([(self.tables.row_block(), route.ids)])
         self.tables.update_looked_up(staged.looked_up, got)
         if not replica.enabled:
             self._dense_step()
@@ -224,7 +224,7 @@ class EmbeddingPipeline:
         batch was trained (if not, it is trained again)."""
         with self.timeline.span("optimizer"):
             dense.wait()
-        self.replica.sync_embeddings(self.tables)
+        self.replica.sync_embeddings([self.tables.row_block()])
         self.vote = self.replica.vote()
         if self.vote.stepped:
             with self.timeline.span("optimizer"):
@@ -260,7 +260,7 @@ class EmbeddingPipeline:
 
         # Batch i's forward and backward, on the rows assembled last step.
         loss, out, grads = self._forward_backward(cur.batch, cur.rows, between=between_forward_and_backward)
-        replica.before_update(tables, cur.route.ids)  # every row batch i writes, as it is
+        replica.before_update([(tables.row_block(), cur.route.ids)])  # every row batch i writes, as it is
         dense = self._reduce_dense()
         if after is not None:
             with self.timeline.span("id_wait"):

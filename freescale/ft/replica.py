@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
@@ -75,13 +76,13 @@ class NullReplica:
     def begin(self) -> None:
         pass
 
-    def before_update(self, tables, ids: torch.Tensor) -> None:
+    def before_update(self, touched) -> None:
         pass
 
     def reduce_dense(self, flat: torch.Tensor) -> None:
         pass
 
-    def sync_embeddings(self, tables) -> None:
+    def sync_embeddings(self, blocks) -> None:
         pass
 
     def vote(self) -> Vote:
@@ -123,16 +124,53 @@ class ReplicaFiles:
 
 def transfer_state(state: dict) -> dict:
     """A copy of ``state`` that the live state can no longer change: tensors cloned, sharded
-    tensors as their local shard (a rank catching up takes the same-rank peer's shard)."""
+    tensors as their local shards (a rank catching up takes the same-rank peer's shards)."""
 
     def copy(value):
         if isinstance(value, DTensor):
             return value.to_local().detach().clone()
+        if isinstance(value, ShardedTensor):
+            return [s.tensor.detach().clone() for s in value.local_shards()]
         if isinstance(value, torch.Tensor):
             return value.detach().clone()
         return value
 
-    return tree_map(copy, state)
+    return tree_map(copy, state, is_leaf=lambda v: isinstance(v, ShardedTensor))
+
+
+def load_into(live, value):
+    """``value`` (a ``transfer_state`` copy) written into ``live`` (what a part's ``state_dict()``
+    returns) in place: tensors, DTensors and ShardedTensors keep their storage (the tables'
+    kernels, the parameters) and take the values; anything else is taken as it comes.
+    Returns ``live`` for the part's ``load_state_dict``."""
+    if isinstance(live, DTensor):
+        live.to_local().copy_(value)
+    elif isinstance(live, ShardedTensor):
+        shards = live.local_shards()
+        if len(shards) != len(value):
+            raise ValueError(f"a peer's state holds {len(value)} local shard(s) where this rank holds {len(shards)}")
+        for shard, v in zip(shards, value):
+            shard.tensor.copy_(v)
+    elif isinstance(live, torch.Tensor) and isinstance(value, torch.Tensor) and live.shape == value.shape:
+        live.copy_(value)
+    elif isinstance(live, dict) and isinstance(value, dict):
+        for key, v in value.items():
+            live[key] = load_into(live[key], v) if key in live else v
+    elif isinstance(live, list) and isinstance(value, list) and len(live) == len(value):
+        live[:] = [load_into(a, b) for a, b in zip(live, value)]
+    else:
+        return value
+    return live
+
+
+def load_transferred(state, transferred: dict) -> None:
+    """A peer's ``transfer_state`` copy loaded into ``state`` (a ``TrainingState``), in place;
+    the parts it does not hold (the data cursor) are left as they are."""
+    state.prepare_load()
+    with torch.no_grad():
+        for name, part in state.parts.items():
+            if name in transferred:
+                part.load_state_dict(load_into(part.state_dict(), transferred[name]))
 
 
 class ReplicaLayer:
@@ -190,10 +228,7 @@ class ReplicaLayer:
         """A peer's state, at the vote of the step this group catches up in."""
         self.faults.at("catch_up", self._step)
         grads = [p.grad for p in self.dense_params]  # the step's averaged gradients outlive the load
-        self.state.prepare_load()
-        for name, part in self.state.parts.items():
-            if name in state:
-                part.load_state_dict(state[name])
+        load_transferred(self.state, state)
         for p, g in zip(self.dense_params, grads):
             p.grad = g
         self._saved = None  # the loaded rows supersede this attempt's updates
@@ -208,32 +243,34 @@ class ReplicaLayer:
         self._synced = None
         self.manager.start_quorum()
 
-    def before_update(self, tables, ids: torch.Tensor) -> None:
-        """Save the rows ``ids`` (local) as they are, weights and optimizer state, before they are written."""
-        self.manager.wait_quorum()  # a peer's snapshot for a group catching up is taken before any write
-        self._step = self.manager.current_step() + 1  # the quorum's step (ahead of ours when catching up)
-        rows = torch.unique(ids)
-        momentum = tables.momentum()
-        self._saved = (tables, rows, tables.weight[rows].clone(),
-                       None if momentum is None else momentum[rows].clone())
+    def before_update(self, touched) -> None:
+        """Save the rows the step is about to write, as they are: ``touched`` holds (row block,
+        local rows) pairs (``freescale.ft.rows``; rows may repeat). Called once or more per step,
+        before the first write."""
+        if self._saved is None:
+            self.manager.wait_quorum()  # a peer's snapshot for a group catching up is taken before any write
+            self._step = self.manager.current_step() + 1  # the quorum's step (ahead of ours when catching up)
+            self._saved = []
+        for block, ids in touched:
+            rows = torch.unique(ids)
+            self._saved.append((block, rows, [t[rows].clone() for t in block]))
 
     def reduce_dense(self, flat: torch.Tensor) -> None:
         """Average ``flat`` (the replica's mean dense gradient) over the participating groups, in place."""
         self.faults.at("allreduce", self._step)
         self.manager.allreduce(flat).wait()
 
-    def sync_embeddings(self, tables) -> None:
+    def sync_embeddings(self, blocks) -> None:
+        """At a sync step: every row block (``freescale.ft.rows``) averaged across the groups,
+        into a copy that the vote puts in place if the step commits."""
         step, every = self._step, self.cfg.embedding_sync_every
         if not (step == self.last_step or (every and step % every == 0)):
             return
-        parts = [tables.weight.clone()]
-        momentum = tables.momentum()
-        if momentum is not None:
-            parts.append(momentum.clone())
-        works = [self.manager.allreduce(p) for p in parts]
+        synced = [(t, t.clone()) for block in blocks for t in block]
+        works = [self.manager.allreduce(copy) for _, copy in synced]
         for w in works:
             w.wait()
-        self._synced = (tables, parts)
+        self._synced = synced
 
     def vote(self) -> Vote:
         step = self._step
@@ -245,18 +282,14 @@ class ReplicaLayer:
         stepped = self.manager.should_commit()
         rewritten = not participating or (self._synced is not None if stepped else self._saved is not None)
         if stepped:
-            if self._synced is not None:
-                tables, (weight, *momentum) = self._synced
-                with torch.no_grad():
-                    tables.weight.copy_(weight)
-                    if momentum:
-                        tables.momentum().copy_(momentum[0])
-        elif self._saved is not None:
-            tables, rows, weight, momentum = self._saved
             with torch.no_grad():
-                tables.weight[rows] = weight
-                if momentum is not None:
-                    tables.momentum()[rows] = momentum
+                for live, averaged in self._synced or []:
+                    live.copy_(averaged)
+        elif self._saved is not None:
+            with torch.no_grad():
+                for block, rows, saved in self._saved:
+                    for live, values in zip(block, saved):
+                        live[rows] = values
             log.warning(f"step {step} not committed ({self.manager.errored() or 'too few replicas'}): "
                         f"rolled back, its batch is trained again")
         self._saved = self._synced = None

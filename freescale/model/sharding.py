@@ -87,6 +87,19 @@ def build_optimizer(model: DistributedModelParallel, cfg: TrainConfig) -> Combin
     return CombinedOptimizer([model.fused_optimizer, dense])
 
 
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The trainable parameters no fused embedding optimizer updates, in module order."""
+    return [p for _, p in in_backward_optimizer_filter(model.named_parameters()) if p.requires_grad]
+
+
+def dense_part(optimizer: CombinedOptimizer) -> KeyedOptimizerWrapper:
+    """The dense optimizer inside ``build_optimizer``'s combined one."""
+    for _, opt in optimizer.optimizers:
+        if isinstance(opt, KeyedOptimizerWrapper):
+            return opt
+    raise ValueError("the optimizer holds no dense part")
+
+
 def build_dense_optimizer(module: nn.Module, cfg: TrainConfig) -> CombinedOptimizer:
     """The dense optimizer over ``module``'s parameters alone (the embedding tables fuse their own)."""
     dense_cls = DENSE_OPTIMIZERS[cfg.optimizer]

@@ -14,6 +14,7 @@ the in-flight batches are untouched.
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -21,6 +22,8 @@ import torch
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
 from freescale.ft.replica import COMMITTED
+from freescale.ft.rows import FusedTables
+from freescale.profile.timeline import instrument_phases
 
 
 class Pipeline:
@@ -99,11 +102,120 @@ class _ProfiledSparseDist(TrainPipelineSparseDist):
 
 
 def _sparse_dist(model, optimizer, device, timeline) -> TrainPipelineSparseDist:
+    instrument_phases(timeline, model, optimizer)
     return _ProfiledSparseDist(model, optimizer, device, execute_all_batches=False, timeline=timeline)
 
 
 def _base(model, optimizer, device, timeline) -> TrainPipelineBase:
+    instrument_phases(timeline, model, optimizer)
     return TrainPipelineBase(model, optimizer, device)
+
+
+class VotedOptimizer:
+    """The optimizer TorchRec's pipeline steps, under the replica layer. ``step`` (after
+    backward, which the fused optimizer has already written the tables in): the dense
+    gradients, already averaged over the replica's ranks by DDP, averaged over the replica
+    groups; the tables averaged when a sync is due; the vote; the dense optimizer steps only if
+    the step committed (``vote``)."""
+
+    def __init__(self, optimizer, replica, dense_params: list, tables: FusedTables) -> None:
+        self.optimizer = optimizer
+        self.replica = replica
+        self.dense_params = dense_params
+        self.tables = tables
+        self.vote = COMMITTED
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense_params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.replica.reduce_dense(flat)
+        at = 0
+        for p, g in zip(self.dense_params, grads):
+            p.grad = flat[at:at + g.numel()].view_as(g)
+            at += g.numel()
+        self.replica.sync_embeddings(self.tables.blocks())
+        self.vote = self.replica.vote()
+        if self.vote.stepped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def __getattr__(self, name: str):
+        return getattr(self.optimizer, name)
+
+
+class _Drawn:
+    """The batches a pipeline draws from ``source``, noted in ``drawn`` (oldest first)."""
+
+    def __init__(self, source: Iterator, drawn: deque) -> None:
+        self.source = source
+        self.drawn = drawn
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        batch = next(self.source)
+        self.drawn.append(batch)
+        return batch
+
+
+class ReplicaSparseDist(Pipeline):
+    """TorchRec's sparse-dist pipeline under the replica layer.
+
+    Each step is voted on (``VotedOptimizer``); the rows its lookups read are saved for the
+    layer before backward writes them (``FusedTables``). A batch that was not trained (its step
+    was rolled back, or a group catching up took the step with a peer's state) is trained
+    again alone, with the plain model's forwards, before the pipeline goes on: the batches
+    TorchRec holds in flight carry ids only, so the pipeline resumes where it was.
+    """
+
+    def __init__(self, model, optimizer, device, timeline, replica, dense_params: list) -> None:
+        self.tables = FusedTables(model)
+        self.voted = VotedOptimizer(optimizer, replica, dense_params, self.tables)
+        super().__init__(_sparse_dist(model, self.voted, device, timeline), model)
+        self.replica = replica
+        self.device = device
+        self._drawn: deque = deque()
+        self._source: _Drawn | None = None
+        self._again = None
+
+    @property
+    def vote(self):
+        return self.voted.vote
+
+    def progress(self, batches: Iterator):
+        self.replica.begin()
+        with self.tables.reporting(self.replica.before_update):
+            if self._again is None:
+                out = self.inner.progress(self._drawing(batches))
+                batch = self._drawn.popleft()
+                if int(batch.batch_index) != int(out.batch_index):
+                    raise RuntimeError(f"the pipeline trained batch {int(out.batch_index)}, "
+                                       f"expected {int(batch.batch_index)}")
+            else:
+                batch = self._again
+                out = self._train_alone(batch)
+        self._again = None if self.vote.trained else batch
+        return out
+
+    def _drawing(self, batches: Iterator) -> _Drawn:
+        if self._source is None or self._source.source is not batches:
+            self._source = _Drawn(batches, self._drawn)
+        return self._source
+
+    def _train_alone(self, batch):
+        with _original_forwards(self.inner):
+            self.voted.zero_grad()
+            losses, out = self.model(batch.to(self.device))
+            torch.sum(losses, dim=0).backward()
+            self.voted.step()
+        return out
+
+    def close(self) -> None:
+        self.tables.close()
 
 
 class _Owned:
@@ -147,10 +259,15 @@ OWNED_PIPELINES = frozenset({"prioritized", "sync"})
 
 
 def build_pipeline(name: str, model: torch.nn.Module, optimizer, device: torch.device, timeline, *,
-                   group=None, transport_cfg=None, replica=None):
+                   group=None, transport_cfg=None, replica=None, dense_params: list | None = None):
     """The named pipeline; ``timeline`` receives its phase spans (a NullTimeline when not profiling);
-    ``replica``: the replica layer the step votes with (owned pipelines)."""
+    ``replica``: the replica layer the step votes with, ``dense_params`` the parameters it
+    averages across the groups (TorchRec's pipelines; the owned ones know their own)."""
     if name in OWNED_PIPELINES:
         return PIPELINES[name](model, optimizer, device, timeline, group=group, transport_cfg=transport_cfg,
                                replica=replica)
+    if replica is not None and replica.enabled:
+        if name != "sparse_dist":
+            raise ValueError(f"train.pipeline {name} does not run under the replica layer")
+        return ReplicaSparseDist(model, optimizer, device, timeline, replica, dense_params)
     return Pipeline(PIPELINES[name](model, optimizer, device, timeline), model)

@@ -41,10 +41,11 @@ from freescale.io import rewind_jsonl, write_json_atomic
 from freescale.logging import log_file_path, log_to_file, setup_logging
 from freescale.model.seqrec import SeqRecModel
 from freescale.embedding.pipeline import build_owned_model
-from freescale.model.sharding import build_dense_optimizer, build_optimizer, shard_model
+from freescale.model.sharding import (build_dense_optimizer, build_optimizer, dense_parameters, dense_part,
+                                      shard_model)
 from freescale.profile.report import write_report
 from freescale.profile.straggler import inject_delay
-from freescale.profile.timeline import build_timeline, instrument_phases
+from freescale.profile.timeline import build_timeline
 from freescale.train.checkpoint import Checkpointer, resolve_checkpoint, run_dir_of
 from freescale.train.ledger import build_ledger
 from freescale.train.metrics import MetricsLog, auc, log_loss, normalized_entropy, read_metrics
@@ -179,8 +180,6 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     closing.callback(timeline.finish)
     inject_delay(model.task if owned else model, timeline, rank=topo.rank, ranks=cfg.profile.delay_ranks,
                  delay_ms=cfg.profile.delay_ms)
-    if not owned:
-        instrument_phases(timeline, model, optimizer)  # the owned pipelines mark their phases themselves
 
     # Balancer: every global batch re-partitioned by cost (a NullBalancer keeps contiguous slices).
     balancer = build_balancer(cfg.balance, cfg.transport, inputs.cost_model, group=group,
@@ -196,11 +195,12 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     closing.callback(collector.close)
     # The replica layer (a NullReplica when ft is off), made last: the lighthouse counts this
     # group in from here, and the loop starts at once.
-    replica = build_replica(cfg, topo, state, [p for p in model.task.parameters() if p.requires_grad] if owned else [],
-                            optimizer, faults, run_dir)
+    dense_params = dense_parameters(model.task if owned else model)
+    replica = build_replica(cfg, topo, state, dense_params, optimizer if owned else dense_part(optimizer), faults,
+                            run_dir)
     closing.callback(replica.close)
     pipeline = build_pipeline(cfg.train.pipeline, model, optimizer, device, timeline, group=group,
-                              transport_cfg=cfg.transport, replica=replica)
+                              transport_cfg=cfg.transport, replica=replica, dense_params=dense_params)
     closing.callback(pipeline.close)
     batches = timeline.timed_batches(balancer.batches(loader.iter_samples()))
     window = StepWindow()

@@ -54,9 +54,12 @@ def differing(a: dict, b: dict, prefix: str) -> list[str]:
 
 
 def assert_groups_agree(run: Path, replicas: int, tmp: Path) -> None:
+    """Dense weights and optimizer state, embedding rows and their optimizer state: bitwise the same in every group."""
     states = [final_state(run / f"replica{r}", tmp) for r in range(replicas)]
+    tables = [k for k in states[0] if k.startswith("model.") and not k.startswith("model.task.")]
+    assert any("table" in k for k in tables), tables
     for r in range(1, replicas):
-        for part in ("model.task.", "optimizer.", "model.tables."):
+        for part in ("model.task.", "optimizer.", "model."):
             assert differing(states[0], states[r], part) == [], f"replica {r} differs from replica 0 in {part}"
 
 
@@ -84,9 +87,14 @@ def assert_kept_committing(run: Path, summary: dict, down: int) -> None:
     assert last["trained"] and last["step"] == summary["steps"]
 
 
-def test_a_killed_group_of_two_ranks_catches_up_and_finishes(tmp_path):
+@pytest.mark.parametrize("pipeline, extra", [("sparse_dist", ["--balance.enable=true"]), ("sync", [])])
+def test_a_killed_group_of_two_ranks_catches_up_and_finishes(tmp_path, pipeline, extra):
+    # sparse_dist: TorchRec's tables, the item table row-wise and the user table column-wise
+    # over the group's two ranks, with the balancer re-partitioning inside each group;
+    # sync: FreeScale's own row-wise tables.
     run = tmp_path / "run"
-    proc, summary = local(run, "--replicas", "2", "--nproc", "2", "--kill", "1@10", *LONG)
+    proc, summary = local(run, "--replicas", "2", "--nproc", "2", "--kill", "1@10", f"--train.pipeline={pipeline}",
+                          *extra, *LONG)
     check(proc)
     failures = summary["groups"][1]["failures"]
     assert [f["cause"] for f in failures] == ["killed"]
@@ -113,7 +121,7 @@ def test_three_groups_survive_a_kill_and_a_kill_during_catch_up(tmp_path):
     assert_groups_agree(run, 3, tmp_path)
 
 
-@pytest.mark.parametrize("pipeline", ["sync", "prioritized"])
+@pytest.mark.parametrize("pipeline", ["sparse_dist", "sync", "prioritized"])
 def test_a_group_killed_inside_the_cross_replica_allreduce(tmp_path, pipeline):
     run = tmp_path / "run"
     # Step 150: both groups are up by then, however far apart they started.
@@ -139,9 +147,11 @@ def test_an_injected_commit_failure_leaves_no_trace(tmp_path):
             "--ft.min_replicas=2", "--ft.embedding_sync_every=5", "--run.log_every=1"]
     # The prioritized pipeline under the same failures must end bitwise like the clean
     # synchronous run too: its rollback covers the deferred rows, its replay the staged batches.
-    clean = tmp_path / "clean"
-    check(local(clean, *args)[0])
-    for pipeline in ("sync", "prioritized"):
+    # TorchRec's sparse-dist pipeline, whose tables are TorchRec's, against its own clean run.
+    for pipeline, reference in (("sync", "sync"), ("prioritized", "sync"), ("sparse_dist", "sparse_dist")):
+        clean = tmp_path / f"clean-{reference}"
+        if not clean.exists():
+            check(local(clean, *args, f"--train.pipeline={reference}")[0])
         failed = tmp_path / f"failed-{pipeline}"
         proc, summary = local(failed, *args, "--ft.fail_commit_at=[4,9]", f"--train.pipeline={pipeline}")
         check(proc)

@@ -9,6 +9,7 @@ from freescale.balance.balancer import NullBalancer
 from freescale.config import load_config
 from freescale.data.loader import BatchLoader, build_sources
 from freescale.distributed import Topology
+from freescale.ft.replica import load_transferred, transfer_state
 from freescale.model.seqrec import SeqRecModel
 from freescale.model.sharding import build_optimizer, shard_model
 from freescale.train.state import DataCursor, RNGState, TrainerState, TrainingState
@@ -88,6 +89,17 @@ def _transfer(rank, world):
     assert joiner.train(3) == healthy.train(3)
     for name, value in healthy.tensors().items():
         assert torch.equal(joiner.tensors()[name], value), name
+
+    # As the replica layer moves it: a copy holding each sharded tensor's local shards, the
+    # data cursor left out, loaded in place into another replica's own storage.
+    sent, taken = transfer_state(healthy.state.state_dict()), healthy.tensors()
+    del sent["data"]
+    healthy.train(1)  # the copy is the state as it was when taken
+    copied = Replica(cfg, topo, seed=2)
+    load_transferred(copied.state, sent)
+    assert copied.trainer.step == 6 and copied.loader.next_batch == 0
+    for name, value in taken.items():
+        assert torch.equal(copied.tensors()[name], value), name
 
 
 def test_a_fresh_replica_loaded_with_a_live_state_trains_alike():

@@ -89,7 +89,7 @@ def test_each_group_trains_its_own_shard_of_the_stream():
 def test_config_checks_of_the_layer():
     for overrides, message in [(["ft.replica_id=2", "ft.num_replicas=2"], "ft.replica_id: expected < ft.num_replicas"),
                                (["ft.min_replicas=3", "ft.num_replicas=2"], "ft.min_replicas: expected <="),
-                               (["train.pipeline=sparse_dist"], "ft.enable: the replica layer trains FreeScale's own tables"),
+                               (["train.pipeline=base"], "ft.enable: the replica layer votes on the steps of .* got base"),
                                (["ft.enable=false", "fault.during=allreduce"], "fault.during: allreduce needs the replica layer")]:
         with pytest.raises(ConfigError, match=message):
             load_config(FT_LOCAL, overrides)
@@ -125,7 +125,7 @@ def test_descendants_finds_the_whole_tree():
 
 @pytest.mark.parametrize("args, message", [
     (["--kill", "3@5"], "--kill 3@5: replica 3 does not exist"),
-    (["--kill", "1@5", "--train.pipeline=sparse_dist"], "ft.enable: the replica layer trains FreeScale's own tables"),
+    (["--kill", "1@5", "--train.pipeline=base"], "ft.enable: the replica layer votes on the steps of train.pipeline"),
     (["--restart-delay", "-1"], "--restart-delay: expected seconds >= 0"),
 ])
 def test_local_refuses_bad_input_in_one_line(args, message):
