@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freescale.balance.cost import CostModel, fit_cost_model
-from freescale.balance.partition import PARTITIONS, equal_count_bound, imbalance, lower_bound
+from freescale.balance.partition import PARTITIONS, _greedy_members, equal_count_bound, imbalance, lower_bound
 from freescale.config import SyntheticDataConfig
 from freescale.data.synthetic import sample_uih_lengths
 
@@ -105,3 +105,57 @@ def test_cost_model_round_trip_and_errors(tmp_path):
     (tmp_path / "bad.json").write_text('{"a": 1, "q": 2}')
     with pytest.raises(CostModelError, match="not a cost model"):
         CostModel.load(str(tmp_path / "bad.json"))
+
+
+def _brute_force_best(costs: np.ndarray, ranks: int) -> float:
+    """The least max rank cost over every equal-count partition (tiny inputs only)."""
+    import itertools
+
+    count = len(costs) // ranks
+    best = np.inf
+
+    def place(left, loads):
+        nonlocal best
+        if not left:
+            best = min(best, max(loads))
+            return
+        first, rest = left[0], left[1:]
+        for group in itertools.combinations(rest, count - 1):
+            members = (first, *group)
+            place([i for i in rest if i not in group], loads + [costs[list(members)].sum()])
+
+    place(list(range(len(costs))), [])
+    return best / (costs.sum() / ranks)
+
+
+def test_the_equal_count_bound_is_never_above_the_best_partition_and_beats_the_largest_sample_alone():
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        ranks, count = int(rng.integers(2, 4)), int(rng.integers(2, 4))
+        costs = rng.pareto(1.2, ranks * count) + 0.1
+        assert equal_count_bound(costs, ranks) <= _brute_force_best(costs, ranks) + 1e-12
+    # Two large samples, three ranks of two: the largest with the smallest other costs 11, but
+    # the two large ones share the small ones (on one rank: 20; on two: at least (20+1+2)/2).
+    costs = np.array([10.0, 10.0, 1.0, 2.0, 2.0, 2.0])
+    assert equal_count_bound(costs, 3) == pytest.approx(11.5 / 9)
+    assert _brute_force_best(costs, 3) == pytest.approx(12.0 / 9)
+
+
+@pytest.mark.parametrize("tail", ["light", "heavy"])
+def test_1024_ranks_of_64_samples_are_balanced_within_a_percent_of_the_bound(tail):
+    # "heavy" (configs/bench_balance.yaml's lengths): samples so long that the ranks holding
+    # them cannot come down to the mean (the bound is above 1), the case that takes the most swaps.
+    cfg = (SyntheticDataConfig(median_uih_len=64, sigma=1.0, tail_prob=0.05, tail_min_len=256, tail_alpha=1.1)
+           if tail == "light" else
+           SyntheticDataConfig(median_uih_len=32, sigma=1.0, tail_prob=0.03, tail_min_len=384, tail_alpha=1.0))
+    lengths = sample_uih_lengths(cfg, 1024 * 64, 1, 2048, np.random.default_rng(1024))
+    costs = CostModel(a=1.3e-5, b=5.4e-8, c=6.7e-6, d=7.6e-5).cost(lengths, np.full(len(lengths), 4))
+    bound = max(lower_bound(costs, 1024), equal_count_bound(costs, 1024))
+    assert (bound > 1.02) == (tail == "heavy")
+    assert imbalance(costs, PARTITIONS["greedy"](costs, 1024)) <= 1.01 * bound
+    # The blocked greedy assignment is close already; the swaps only finish it.
+    members = _greedy_members(costs, 1024)
+    assert sorted(members.ravel().tolist()) == list(range(len(costs)))
+    loads = costs[members].sum(axis=1)
+    assert loads.max() / loads.mean() <= 1.005 * bound
+    assert imbalance(costs, PARTITIONS["contiguous"](costs, 1024)) > 1.5 * bound
