@@ -215,6 +215,8 @@ class BalanceConfig:
 class TransportConfig:
     kind: Literal["torch_dist", "host_staged"] = "torch_dist"
     """All-to-all / all-gather transport: torch_dist (torch.distributed) or host_staged (SM-free proxy)."""
+    host_name: str = ""
+    """host_staged: the name this rank's host goes by (ranks with the same name exchange through shared memory, the others over gloo); empty = the machine's host name."""
     local_path: Literal["auto", "mapped", "shm_ring"] = "auto"
     """host_staged between ranks on one host: mapped (one copy: senders write into the receiver's result, a memory file peers map), shm_ring (two copies through shared-memory rings), auto (mapped where peers may map each other's memory)."""
     chunk_kib: Annotated[int, Positive] = 1024

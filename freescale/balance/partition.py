@@ -188,12 +188,13 @@ def _refine_by_swaps(costs: np.ndarray, members: np.ndarray, tries: int = 8, pai
     done = (1 + 1e-3) * max(costs.max() + smallest, mean)
     _swap_in_rounds(members, values, loads, min(pairs, ranks // 2), 1e-9 * mean, done,
                     rounds=4 * ranks // max(1, pairs) + 64)
+    reference = np.inf
     for step in range(4 * ranks + 64):
         h = int(np.argmax(loads))
         if loads[h] <= done:
             break
         if step % 64 == 0:  # stop once 64 swaps in a row have lowered the maximum by under 0.01%
-            if step and reference - loads[h] < 1e-4 * mean:
+            if reference - loads[h] < 1e-4 * mean:
                 break
             reference = loads[h]
         moved = False

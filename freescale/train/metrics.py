@@ -1,4 +1,10 @@
-"""Quality metrics (AUC, normalized entropy) and the run's metrics.jsonl writer."""
+"""Quality metrics and the run's metrics.jsonl writer.
+
+Held-out evaluation (``HeldOutMetrics``) uses TorchRec's metrics module: AUC, normalized
+entropy and calibration over the ranks of a replica, each rank updating with its own
+samples. ``auc``, ``log_loss`` and ``normalized_entropy`` are the same measures in NumPy over
+one array, the reference the tests hold TorchRec's to.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,13 @@ import math
 import os
 
 import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+EVAL_TASK = "ctr"
+WHOLE_SET = 2**40
+"""TorchRec's metrics keep a window of the latest samples; this one holds every held-out sample."""
 
 
 def auc(labels: np.ndarray, scores: np.ndarray) -> float:
@@ -42,6 +55,54 @@ def normalized_entropy(labels: np.ndarray, logits: np.ndarray) -> float:
         return float("nan")
     base = -(p * math.log(p) + (1 - p) * math.log(1 - p))
     return log_loss(labels, logits) / base
+
+
+class HeldOutMetrics:
+    """AUC, normalized entropy and calibration of the held-out candidates from TorchRec's
+    metrics (``torchrec.metrics``), over the ranks of ``group``, plus the mean log loss and the
+    number of candidates (summed over the ranks). Every rank calls ``update`` with its own
+    logits and labels and then ``compute`` (a collective) with the others."""
+
+    def __init__(self, group: dist.ProcessGroup, batch_size: int) -> None:
+        from torchrec.metrics.auc import AUCMetric
+        from torchrec.metrics.calibration import CalibrationMetric
+        from torchrec.metrics.metrics_config import RecTaskInfo
+        from torchrec.metrics.ne import NEMetric
+
+        task = RecTaskInfo(name=EVAL_TASK, label_name="label", prediction_name="prediction", weight_name="weight")
+        common = dict(world_size=dist.get_world_size(group), my_rank=dist.get_rank(group), batch_size=batch_size,
+                      tasks=[task], window_size=WHOLE_SET, compute_on_all_ranks=True, process_group=group)
+        self.metrics = {"auc": AUCMetric(**common), "ne": NEMetric(**common), "calibration": CalibrationMetric(**common)}
+        self.group = group
+        self.sums = torch.zeros(2, dtype=torch.float64)  # log loss, candidates
+
+    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
+        logits = logits.detach().float().cpu().reshape(-1)
+        labels = labels.detach().float().cpu().reshape(-1)
+        if not logits.numel():
+            return
+        inputs = {"predictions": {EVAL_TASK: torch.sigmoid(logits)}, "labels": {EVAL_TASK: labels},
+                  "weights": {EVAL_TASK: torch.ones_like(labels)}}
+        for metric in self.metrics.values():
+            metric.update(**inputs)
+        loss = F.binary_cross_entropy_with_logits(logits.double(), labels.double(), reduction="sum")
+        self.sums += torch.stack([loss, torch.tensor(float(logits.numel()), dtype=torch.float64)])
+
+    def compute(self) -> dict:
+        """``eval/auc``, ``eval/ne``, ``eval/calibration``, ``eval/loss``, ``eval/samples`` (empty
+        when no rank saw a candidate)."""
+        sums = self.sums.clone()
+        dist.all_reduce(sums, group=self.group)
+        values = {}
+        for name, metric in self.metrics.items():
+            out = metric.compute()
+            key = f"{name}-{EVAL_TASK}|lifetime_{name}"
+            values[name] = float(out[key] if key in out else out[f"{name}-{EVAL_TASK}|window_{name}"])
+        if sums[1] == 0:
+            return {}
+        return {"eval/auc": round(values["auc"], 6), "eval/ne": round(values["ne"], 6),
+                "eval/calibration": round(values["calibration"], 6),
+                "eval/loss": round(float(sums[0] / sums[1]), 6), "eval/samples": int(sums[1])}
 
 
 class MetricsLog:

@@ -25,7 +25,6 @@ import time
 import warnings
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -48,7 +47,7 @@ from freescale.profile.straggler import inject_delay
 from freescale.profile.timeline import build_timeline
 from freescale.train.checkpoint import Checkpointer, resolve_checkpoint, run_dir_of
 from freescale.train.ledger import build_ledger
-from freescale.train.metrics import MetricsLog, auc, log_loss, normalized_entropy, read_metrics
+from freescale.train.metrics import HeldOutMetrics, MetricsLog, read_metrics
 from freescale.train.pipelines import OWNED_PIPELINES, Pipeline, build_pipeline
 from freescale.train.state import DataCursor, RNGState, TrainerState, TrainingState
 
@@ -312,27 +311,18 @@ def _log_progress(step: int, window: StepWindow, metrics: MetricsLog, log: loggi
 
 
 def _evaluate(pipeline: Pipeline, held_out: list, log: logging.Logger, step: int, group: dist.ProcessGroup) -> dict:
-    """AUC, normalized entropy and log loss over every rank's held-out samples."""
-    logits, labels = [], []
+    """AUC, normalized entropy, calibration and log loss over every rank's held-out samples
+    (TorchRec's metrics, reduced across the replica's ranks)."""
+    metrics = HeldOutMetrics(group, batch_size=max((len(b.labels) for b in held_out), default=1))
     with pipeline.evaluating() as model:
         for batch in held_out:
             _, out = model(batch)
-            logits.append(out.logits.float().cpu())
-            labels.append(out.labels.float().cpu())
-    local = (torch.cat(logits).numpy(), torch.cat(labels).numpy()) if logits else (np.zeros(0), np.zeros(0))
-    gathered = distributed.all_gather_object(local, group)
-    all_logits = np.concatenate([g[0] for g in gathered])
-    all_labels = np.concatenate([g[1] for g in gathered])
-    if len(all_labels) == 0:
-        return {}
-    result = {
-        "eval/auc": round(auc(all_labels, all_logits), 6),
-        "eval/ne": round(normalized_entropy(all_labels, all_logits), 6),
-        "eval/loss": round(log_loss(all_labels, all_logits), 6),
-        "eval/samples": int(len(all_labels)),
-    }
-    log.info(f"eval auc {result['eval/auc']:.4f} | ne {result['eval/ne']:.4f} | loss {result['eval/loss']:.4f} "
-             f"over {result['eval/samples']} candidates", extra={"step": step})
+            metrics.update(out.logits, out.labels)
+    result = metrics.compute()
+    if result:
+        log.info(f"eval auc {result['eval/auc']:.4f} | ne {result['eval/ne']:.4f} | calibration "
+                 f"{result['eval/calibration']:.3f} | loss {result['eval/loss']:.4f} over {result['eval/samples']} "
+                 f"candidates", extra={"step": step})
     return result
 
 

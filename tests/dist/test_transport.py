@@ -311,3 +311,31 @@ def _lanes(rank, world, kind, local_path):
                                              ("host_staged", "mapped")])
 def test_a_high_priority_collective_passes_a_large_normal_one(kind, local_path):
     run_ranks(2, _lanes, kind, local_path)
+
+
+def _lanes_across_hosts(rank, world):
+    # Each rank names a host of its own, so every byte crosses over gloo point-to-point.
+    t = build_transport(TransportConfig(kind="host_staged", host_name=f"host{rank}", timeout_s=10), lanes=2)
+    assert t.local == [r == rank for r in range(world)]
+    ones = [1] * world
+    for trial in range(3):
+        # Messages of the same size on both lanes. Rank 1's normal one is in flight (its
+        # transfers posted) before it issues the high one; rank 0 issues the high one first and
+        # the normal one only once the high one is done. Each must meet its own lane's
+        # counterpart, and the high ones must complete while rank 1's normal one waits.
+        mine = {lane: torch.tensor([1000.0 * lane + 100 * trial + 10 * rank + j for j in range(world)])
+                for lane in (HIGH, NORMAL)}
+        expect = {lane: [1000.0 * lane + 100 * trial + 10 * r + rank for r in range(world)] for lane in (HIGH, NORMAL)}
+        if rank == 1:
+            normal = t.all_to_all_single(mine[NORMAL], ones, ones)
+            time.sleep(0.05)  # the proxy has taken it by now
+            assert t.all_to_all_single(mine[HIGH], ones, ones, lane=HIGH).wait().tolist() == expect[HIGH]
+            assert normal.wait().tolist() == expect[NORMAL]
+        else:
+            assert t.all_to_all_single(mine[HIGH], ones, ones, lane=HIGH).wait().tolist() == expect[HIGH]
+            assert t.all_to_all_single(mine[NORMAL], ones, ones).wait().tolist() == expect[NORMAL]
+    t.close()
+
+
+def test_lanes_pair_up_across_hosts():
+    run_ranks(2, _lanes_across_hosts)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import logging
 import math
 import os
 import time
@@ -36,9 +37,11 @@ from freescale.errors import first_line
 from freescale.transport.base import NORMAL, TransportError, check_all_gather, check_all_to_all, check_lane
 from freescale.transport.host_staged import memory, wire
 from freescale.transport.host_staged.local import LocalExchange
-from freescale.transport.host_staged.remote import RemoteTransfers
+from freescale.transport.host_staged.remote import Pending, RemoteTransfers
 from freescale.transport.host_staged.scheduler import Handle, Op, Scheduler
 from freescale.transport.host_staged.staging import CudaStaging
+
+log = logging.getLogger("freescale")
 
 
 class HostStagedTransport:
@@ -79,7 +82,7 @@ class HostStagedTransport:
         probe = memory.probe_file()  # what peers map to test that they can: holds this rank's pid
         try:
             info = self._collective("exchanging host names", self._all_gather_object,
-                                    (os.uname().nodename, os.getpid(), probe))
+                                    (cfg.host_name or os.uname().nodename, os.getpid(), probe))
             host = info[self.rank][0]
             self.pids = [pid for _, pid, _ in info]
             self.local = [h == host for h, _, _ in info]
@@ -102,9 +105,12 @@ class HostStagedTransport:
         self.peer_files = memory.PeerFiles(self.pids)
         self.staging = CudaStaging(self.pool) if torch.cuda.is_available() else None
         remote = [r for r in range(self.world_size) if not self.local[r]]
-        self.remote = RemoteTransfers(self.rank, remote, self._global, self.group, self.timeout_s)
+        self.remote = RemoteTransfers(self.rank, remote, self._global, self.group, self.timeout_s, self.lanes)
         self.scheduler = Scheduler(self.rank, run=self._execute, on_failure=lambda op: self.wire.fail(op.key))
         self.scheduler.nudge = self.wire.nudge
+        here = sum(self.local) - 1
+        log.info(f"host_staged: {here} peer(s) on this host ({host}, {self.local_path}), "
+                 f"{len(remote)} on other hosts")
 
     def _choose_local_path(self, wanted: str, info: list) -> str:
         """``mapped`` if every rank can map its peers' memory files (and ``wanted`` allows it)."""
@@ -206,6 +212,8 @@ class HostStagedTransport:
             if not self.scheduler.close():
                 return  # a thread is still inside a collective: leave its memory mapped
         self._release()
+        if self.remote is not None:
+            self.remote.close()
         self.remote = None  # holds the process group
 
     def __del__(self) -> None:
@@ -283,7 +291,9 @@ class HostStagedTransport:
                         # fail here too (as far as this rank has heard), so the ranks agree.
                         self.wire.wait(0.0)
                         self.wire.check_reports(self.wire.peers, run.op.key)
-                        self.remote.finish(run.remote)
+                        if not self.remote.finish(run.remote):
+                            continue  # the other hosts' part is still on its way
+                        progressed = True
                         active.remove(run)
                         if run.op is not op:
                             self.scheduler.settle_passing(run.op)
@@ -302,8 +312,9 @@ class HostStagedTransport:
                 if now >= next_check:
                     next_check = now + wire.CHECK_S
                 if not progressed:
-                    full = any(run.exchange.ring_full for run in active)
-                    self.wire.wait(0.001 if full else min(wire.CHECK_S, max(0.0, deadline - now)))
+                    # Rings full or another host's part pending: look again soon (gloo says nothing on the wire).
+                    soon = any(run.exchange.ring_full or run.exchange.done for run in active)
+                    self.wire.wait(0.001 if soon else min(wire.CHECK_S, max(0.0, deadline - now)))
         except BaseException as e:
             for run in active:
                 if run.op is not op:
@@ -324,7 +335,7 @@ class HostStagedTransport:
 class _Running(NamedTuple):
     op: Op
     exchange: LocalExchange
-    remote: list
+    remote: "Pending"
 
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
