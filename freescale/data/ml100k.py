@@ -9,6 +9,7 @@ the cache and returns its path; ``read_ratings`` reads it. The data is never com
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import os
 import subprocess
@@ -20,20 +21,46 @@ MEMBER = "recbole/dataset_example/ml-100k/ml-100k.inter"
 
 
 def ensure_ml100k(cache_dir: str = "runs/cache") -> str:
+    """The path of ``ml-100k.inter`` in ``cache_dir``, downloaded first if it is not there.
+
+    Ranks of one host may call it at once: a lock file lets one download while the others
+    wait, then find the file. A download that fails raises ``DataError`` with pip's last line.
+    """
+    from freescale.data.readers import DataError
+
     target = os.path.join(cache_dir, "ml-100k.inter")
     if os.path.exists(target):
         return target
-    os.makedirs(cache_dir, exist_ok=True)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"data.ratings.cache: cannot create {cache_dir}: {e.strerror}") from None
+    with open(os.path.join(cache_dir, ".ml100k.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(target):
+            _download(cache_dir, target)
+    return target
+
+
+def _download(cache_dir: str, target: str) -> None:
+    from freescale.data.readers import DataError
+
     wheels = glob.glob(os.path.join(cache_dir, "recbole-1.2.1-*.whl"))
     if not wheels:
-        print(f"[ml100k] downloading {WHEEL} into {cache_dir}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", cache_dir, WHEEL],
-                       check=True)
+        print(f"[ml100k] downloading {WHEEL} from PyPI into {cache_dir} (once)", file=sys.stderr, flush=True)
+        proc = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", cache_dir, WHEEL],
+                              capture_output=True, text=True)
         wheels = glob.glob(os.path.join(cache_dir, "recbole-1.2.1-*.whl"))
-    with zipfile.ZipFile(wheels[0]) as z, open(target + ".tmp", "wb") as out:
-        out.write(z.read(MEMBER))
+        if proc.returncode != 0 or not wheels:
+            last = [line for line in (proc.stderr + proc.stdout).splitlines() if line.strip()]
+            raise DataError(f"data.source ml100k: could not download {WHEEL} from PyPI"
+                            f"{': ' + last[-1].strip() if last else ''}")
+    try:
+        with zipfile.ZipFile(wheels[0]) as z, open(target + ".tmp", "wb") as out:
+            out.write(z.read(MEMBER))
+    except (zipfile.BadZipFile, KeyError) as e:
+        raise DataError(f"data.source ml100k: {wheels[0]} is not a usable recbole wheel ({e}); delete it to download again") from None
     os.replace(target + ".tmp", target)
-    return target
 
 
 def user_history_lengths(path: str):

@@ -31,10 +31,10 @@ def _env() -> dict:
     return env
 
 
-def freescale(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``freescale ARGS`` in one process."""
-    return subprocess.run([sys.executable, "-m", "freescale", *args], cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=timeout)
+def freescale(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``freescale ARGS`` in one process (``env``: variables added to the environment)."""
+    return subprocess.run([sys.executable, "-m", "freescale", *args], cwd=REPO, env={**_env(), **(env or {})},
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:

@@ -61,6 +61,19 @@ def test_malformed_ratings_file_fails_before_a_run_folder_exists(tmp_path):
     assert not run_dir.exists()
 
 
+def test_ml100k_that_cannot_be_downloaded_fails_in_one_line(tmp_path):
+    cache, run_dir = tmp_path / "cache", tmp_path / "run"
+    unreachable = {"PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0", "PIP_TIMEOUT": "2",
+                   "PIP_NO_CACHE_DIR": "1", "PIP_FIND_LINKS": "", "PIP_EXTRA_INDEX_URL": ""}
+    proc = freescale("train", "--config", str(QUICKSTART), "--data.source=ml100k", f"--data.ratings.cache={cache}",
+                     f"--run.dir={run_dir}", timeout=180, env=unreachable)
+    assert proc.returncode == 2, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("freescale: error: data.source ml100k: could not download recbole==1.2.1 from PyPI"), proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not run_dir.exists() and not (cache / "ml-100k.inter").exists()
+
+
 def test_calibrate_on_a_malformed_ratings_file_exits_2(tmp_path):
     path = _bad_ratings(tmp_path)
     proc = freescale("calibrate", "--config", str(QUICKSTART), "--data.source=ratings", f"--data.ratings.path={path}",
