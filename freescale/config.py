@@ -67,6 +67,8 @@ class RunConfig:
     """Intra-op threads per rank; 0 = CPU cores divided by the ranks on this host."""
     log_every: Annotated[int, Positive] = 10
     """Print progress and append to metrics.jsonl every this many steps."""
+    tensorboard: bool = False
+    """Also write metrics.jsonl's scalars as TensorBoard event files under <run>/tensorboard/ (needs the tensorboard package)."""
 
 
 @dataclass

@@ -18,7 +18,9 @@ FBGEMM_VERSION=1.8.0
 TORCHFT=torchft==0.2.0
 TORCHREC=torchrec==1.8.0
 TORCHREC_DEPS=(pyre-extensions tensordict "torchmetrics==1.0.3" tqdm)
-TOOLS=(numpy pyyaml matplotlib pytest pytest-timeout hypothesis)
+# tensorboard: run.tensorboard's event files (and the tests that read them back); 2.21 accepts
+# the protobuf 7 and numpy 2 the rest of the stack installs.
+TOOLS=(numpy pyyaml matplotlib pytest pytest-timeout hypothesis "tensorboard==2.21.0")
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
   FBGEMM="fbgemm-gpu==$FBGEMM_VERSION"
@@ -46,6 +48,6 @@ echo "[setup] installing $TORCHREC and its dependencies" >&2
 echo "[setup] installing tools and freescale (editable)" >&2
 "${pip[@]}" "${TOOLS[@]}" "$TORCH"
 "${pip[@]}" --no-deps -e "$root"
-"$venv/bin/python" -c "import torchrec, fbgemm_gpu, torchft" >&2
+"$venv/bin/python" -c "import torchrec, fbgemm_gpu, torchft, torch.utils.tensorboard" >&2
 echo "$stamp_text" > "$stamp"
 echo "[setup] done" >&2

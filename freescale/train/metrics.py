@@ -3,7 +3,8 @@
 Held-out evaluation (``HeldOutMetrics``) uses TorchRec's metrics module: AUC, normalized
 entropy and calibration over the ranks of a replica, each rank updating with its own
 samples. ``auc``, ``log_loss`` and ``normalized_entropy`` are the same measures in NumPy over
-one array, the reference the tests hold TorchRec's to.
+one array, the reference the tests hold TorchRec's to. ``MetricsLog`` writes the run's
+metrics.jsonl and, with run.tensorboard, the same scalars as TensorBoard event files.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+
+from freescale.config import ConfigError
+from freescale.io import rewind_jsonl
 
 EVAL_TASK = "ctr"
 WHOLE_SET = 2**40
@@ -106,11 +110,21 @@ class HeldOutMetrics:
 
 
 class MetricsLog:
-    """Appends one JSON object per line to ``metrics.jsonl`` (written by the main rank only)."""
+    """Appends one JSON object per line to ``<run>/metrics.jsonl`` (written by the main rank only)
+    and, with ``tensorboard``, hands the same records to a ``TensorBoardLog``.
 
-    def __init__(self, path: str, enabled: bool) -> None:
-        self.path = path
+    A launch that continues after ``start_step`` (a resume, a rejoining replica group) first
+    rewinds metrics.jsonl to it, as the ledger does: each step keeps one record.
+    """
+
+    def __init__(self, run_dir: str, enabled: bool, start_step: int = 0, tensorboard: bool = False) -> None:
+        self.path = os.path.join(run_dir, "metrics.jsonl")
         self.enabled = enabled
+        self.tensorboard = None
+        if enabled:
+            rewind_jsonl(self.path, start_step)
+            if tensorboard:
+                self.tensorboard = TensorBoardLog(os.path.join(run_dir, TENSORBOARD_DIR), start_step)
 
     def write(self, record: dict) -> None:
         if not self.enabled:
@@ -119,6 +133,49 @@ class MetricsLog:
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        if self.tensorboard:
+            self.tensorboard.write(record)
+
+    def close(self) -> None:
+        if self.tensorboard:
+            self.tensorboard.close()
+
+
+TENSORBOARD_DIR = "tensorboard"
+TENSORBOARD_MISSING = "run.tensorboard: needs the tensorboard package (pip install tensorboard)"
+
+
+def require_tensorboard():
+    """TensorBoard's ``SummaryWriter``; a one-line ``ConfigError`` when the package is missing
+    (the trainer asks before the run writes anything, so it fails before set-up)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise ConfigError(TENSORBOARD_MISSING) from None
+    return SummaryWriter
+
+
+class TensorBoardLog:
+    """Every numeric value of a metrics.jsonl record as a TensorBoard scalar (tag: its key,
+    global step: the record's ``step``), flushed at each record so a watching TensorBoard sees
+    it at once.
+
+    Event files from an earlier launch may hold steps after ``start_step``; the writer's purge
+    step tells TensorBoard to hide them, as metrics.jsonl drops them.
+    """
+
+    def __init__(self, folder: str, start_step: int = 0) -> None:
+        self.writer = require_tensorboard()(log_dir=folder, purge_step=start_step + 1)
+
+    def write(self, record: dict) -> None:
+        step = record["step"]
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(key, value, global_step=step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def read_metrics(path: str) -> list[dict]:

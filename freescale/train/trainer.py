@@ -7,9 +7,10 @@ here runs on.
 
 Inputs are read before anything is written (``read_inputs``): a bad data file, checkpoint or
 cost model fails without leaving a run folder behind. Once the run folder exists, whatever the run opens (the
-balancer's transport, the timeline, the ledger, the garbage collector's schedule, the log
-file) is closed on the way out, on success and on failure alike; a failure is logged with
-its traceback to the rank's log file and raised as a ``TrainingError`` naming the cause.
+balancer's transport, the timeline, the ledger, the metrics log and its TensorBoard writer,
+the garbage collector's schedule, the log file) is closed on the way out, on success and on
+failure alike; a failure is logged with its traceback to the rank's log file and raised as a
+``TrainingError`` naming the cause.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from freescale.data.loader import BatchLoader, SampleSource, build_sources, eval
 from freescale.distributed import Topology
 from freescale.faults import build_faults
 from freescale.ft.replica import ReplicaFiles, build_replica
-from freescale.io import rewind_jsonl, write_json_atomic
+from freescale.io import write_json_atomic
 from freescale.logging import log_file_path, log_to_file, setup_logging
 from freescale.model.seqrec import SeqRecModel
 from freescale.embedding.pipeline import build_owned_model
@@ -47,7 +48,7 @@ from freescale.profile.straggler import inject_delay
 from freescale.profile.timeline import build_timeline
 from freescale.train.checkpoint import Checkpointer, resolve_checkpoint, run_dir_of
 from freescale.train.ledger import build_ledger
-from freescale.train.metrics import HeldOutMetrics, MetricsLog, read_metrics
+from freescale.train.metrics import HeldOutMetrics, MetricsLog, read_metrics, require_tensorboard
 from freescale.train.pipelines import OWNED_PIPELINES, Pipeline, build_pipeline
 from freescale.train.state import DataCursor, RNGState, TrainerState, TrainingState
 
@@ -80,6 +81,8 @@ def train(cfg: ExperimentConfig, topology: Topology | None = None) -> dict:
     if cfg.train.pipeline in OWNED_PIPELINES and device.type != "cpu":
         raise ConfigError(f"train.pipeline: {cfg.train.pipeline} trains FreeScale's own tables, which run on CPU "
                           f"for now; set run.device=cpu (resolved: {device.type})")
+    if cfg.run.tensorboard:
+        require_tensorboard()
     topo = topology or distributed.init_distributed(device, cfg.train.backend)
     if cfg.ft.enable:  # this job is one replica group of several
         topo = dataclasses.replace(topo, replica_id=cfg.ft.replica_id, num_replicas=cfg.ft.num_replicas)
@@ -127,7 +130,6 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     """Set-up and the loop; everything opened is registered on ``closing``."""
     group = topo.pg
     resume_from = inputs.resume_from
-    metrics = MetricsLog(os.path.join(run_dir, "metrics.jsonl"), enabled=topo.is_main)
 
     # Data: this rank's slice of every global batch, and its share of the held-out samples.
     loader = BatchLoader(inputs.train_source, batch_size=cfg.data.batch_size, rank=topo.rank, world_size=topo.world_size,
@@ -168,8 +170,8 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         log.info(f"replica {cfg.ft.replica_id} rejoins: its shard continues at batch "
                  f"{loader.batch_at(cursor.next_batch)} (its last committed step: {rejoin['step']})")
     logged_to = rejoin["step"] if rejoin else first_step
-    if topo.is_main:
-        rewind_jsonl(metrics.path, logged_to)
+    metrics = MetricsLog(run_dir, enabled=topo.is_main, start_step=logged_to, tensorboard=cfg.run.tensorboard)
+    closing.callback(metrics.close)
     ledger = build_ledger(cfg.train.ledger, run_dir, replica=topo.replica_id, rank=topo.rank, start_step=logged_to)
     closing.callback(ledger.close)
 
