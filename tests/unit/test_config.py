@@ -118,3 +118,26 @@ def test_written_config_round_trips(tmp_path):
     write_config(cfg, str(out))
     assert load_config(out) == cfg
     assert yaml.safe_load(dump_yaml(cfg))["train"]["steps"] == 3
+
+
+SHIPPED = sorted((QUICKSTART.parent).glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_experiments_resolve(path):
+    load_config(path, [])
+
+
+def test_baseline_and_freescale_experiments_differ_only_in_the_techniques():
+    base = dataclasses.asdict(load_config(QUICKSTART.parent / "baseline_torchrec.yaml", []))
+    ours = dataclasses.asdict(load_config(QUICKSTART.parent / "freescale.yaml", []))
+    for section in ("data", "model", "embedding", "checkpoint", "profile"):
+        assert base[section] == ours[section], section
+    assert {k: v for k, v in base["train"].items() if k != "pipeline"} == \
+           {k: v for k, v in ours["train"].items() if k != "pipeline"}
+    assert (base["train"]["pipeline"], base["balance"]["enable"], base["transport"]["kind"]) == \
+           ("sparse_dist", False, "torch_dist")
+    assert (ours["train"]["pipeline"], ours["balance"]["enable"], ours["transport"]["kind"]) == \
+           ("prioritized", True, "host_staged")
+    ml = load_config(QUICKSTART.parent / "ml100k.yaml", [])
+    assert ml.data.source == "ml100k" and ml.train.pipeline == "prioritized" and ml.balance.enable

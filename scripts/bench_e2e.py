@@ -1,0 +1,218 @@
+"""FreeScale against TorchRec end to end: the two shipped experiments on the same model and data.
+
+    .venv/bin/python scripts/bench_e2e.py [--data synthetic ml100k] [--layouts 2 4 2x2]
+        [--repeats 3] [--steps 40] [--warmup 8] [--set section.key=value ...] [--out PATH]
+
+``configs/baseline_torchrec.yaml`` (contiguous slices, TorchRec's TrainPipelineSparseDist,
+torch_dist) against ``configs/freescale.yaml`` (the balancer, the prioritized pipeline,
+host_staged), on each data source (``synthetic``: the configs' heavy-tailed histories;
+``ml100k``: the data section of ``configs/ml100k.yaml``, MovieLens-100K) and each layout
+(``2`` and ``4``: one torchrun job of that many CPU ranks; ``2x2``: ``freescale local`` with 2
+replica groups of 2 ranks, the replica layer on). Every run is a real job with bubble
+profiling; the two experiments alternate within each repetition, and repetition k trains
+with ``run.seed = k`` in both (so the held-out AUC and NE have a run-to-run spread to be
+compared against).
+
+Per run, after the warm-up steps: samples/s (all groups together), bubble fraction,
+straggler %, exposed communication per step (from the bubble report, of group 0 in a 2x2
+run), then held-out AUC and NE at the end. The tables show means with the spread (min-max)
+and FreeScale / baseline ratios; the JSON (``--out``) holds every run. The last repetition's
+first pair is also compared side by side with ``freescale report A B`` into
+``<out without .json>_report/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from freescale.io import write_json_atomic  # noqa: E402
+
+EXPERIMENTS = {"baseline": os.path.join(REPO, "configs", "baseline_torchrec.yaml"),
+               "freescale": os.path.join(REPO, "configs", "freescale.yaml")}
+ML100K = os.path.join(REPO, "configs", "ml100k.yaml")
+MEASURES = ("samples_per_s", "bubble_fraction", "straggler_pct", "exposed_comm_ms", "step_ms", "auc", "ne")
+HIGHER_IS_BETTER = {"samples_per_s", "auc"}
+
+
+def read_json(path: str) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _flatten(section: dict, prefix: str) -> list[str]:
+    out = []
+    for key, value in section.items():
+        if isinstance(value, dict):
+            out += _flatten(value, f"{prefix}.{key}")
+        else:
+            out.append(f"--{prefix}.{key}={yaml.safe_dump(value, default_flow_style=True).strip().removesuffix('...').strip()}")
+    return out
+
+
+def data_overrides(source: str) -> list[str]:
+    """What each experiment's config is run with on ``source``."""
+    if source == "synthetic":
+        return []
+    if source == "ml100k":
+        with open(ML100K) as f:
+            return _flatten(yaml.safe_load(f)["data"], "data")
+    raise SystemExit(f"--data: unknown source '{source}' (expected synthetic or ml100k)")
+
+
+def run_once(experiment: str, layout: str, run_dir: str, overrides: list[str]) -> dict:
+    """One training job; its measures."""
+    config = EXPERIMENTS[experiment]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if "x" in layout:
+        replicas, nproc = (int(x) for x in layout.split("x"))
+        cmd = [sys.executable, "-m", "freescale", "local", "--config", config, "--replicas", str(replicas),
+               "--nproc", str(nproc), f"--run.dir={run_dir}", *overrides]
+        group_dirs = [os.path.join(run_dir, f"replica{r}") for r in range(replicas)]
+    else:
+        replicas, nproc = 1, int(layout)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
+               "freescale", "train", "--config", config, f"--run.dir={run_dir}", *overrides]
+        group_dirs = [run_dir]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{experiment} on {layout} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                         f"{proc.stderr[-3000:]}")
+    summaries = [read_json(os.path.join(d, "summary.json")) for d in group_dirs]
+    with open(os.path.join(group_dirs[0], "config.yaml")) as f:
+        batch = yaml.safe_load(f)["data"]["batch_size"]
+    b = summaries[0]["bubbles"]
+    return {
+        "samples_per_s": round(sum(batch * s["ranks"] / (s["bubbles"]["step_ms"] / 1000.0) for s in summaries), 1),
+        "bubble_fraction": b["bubble_fraction"],
+        "straggler_pct": b["straggler_pct"],
+        "exposed_comm_ms": b["exposed_comm_ms_per_step"],
+        "step_ms": b["step_ms"],
+        "auc": summaries[0]["eval/auc"],
+        "ne": summaries[0]["eval/ne"],
+        "wall_s": round(summaries[0]["wall_s"], 1),
+        "run_dir": group_dirs[0],
+    }
+
+
+def _stats(values: list[float]) -> dict:
+    return {"mean": float(np.mean(values)), "min": float(min(values)), "max": float(max(values))}
+
+
+def compare(runs: dict[str, list[dict]]) -> dict:
+    """Means and spread per experiment, FreeScale / baseline ratios of the means, and the verdicts."""
+    stats = {e: {m: _stats([r[m] for r in rs]) for m in MEASURES} for e, rs in runs.items()}
+    base, ours = stats["baseline"], stats["freescale"]
+    ratios = {m: ours[m]["mean"] / base[m]["mean"] if base[m]["mean"] else None for m in MEASURES}
+    within = {}
+    for m in ("auc", "ne"):
+        # "Within the baseline's run-to-run spread": FreeScale's mean lies inside the baseline's
+        # min-max, widened to at least the baseline's own range on either side of its mean.
+        half = max(base[m]["max"] - base[m]["mean"], base[m]["mean"] - base[m]["min"])
+        within[m] = abs(ours[m]["mean"] - base[m]["mean"]) <= half
+    return {
+        "stats": stats, "ratios": ratios,
+        "faster": ours["samples_per_s"]["mean"] > base["samples_per_s"]["mean"],
+        "fewer_bubbles": ours["bubble_fraction"]["mean"] < base["bubble_fraction"]["mean"],
+        "quality_within_spread": within,
+    }
+
+
+def _cell(s: dict, digits: int) -> str:
+    return f"{s['mean']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
+
+
+def print_table(source: str, layout: str, row: dict) -> None:
+    digits = {"samples_per_s": 0, "bubble_fraction": 3, "straggler_pct": 1, "exposed_comm_ms": 1, "step_ms": 0,
+              "auc": 4, "ne": 4}
+    print(f"\n| {source}, {layout} | " + " | ".join(MEASURES) + " |")
+    print("|---|" + "---|" * len(MEASURES))
+    for e in ("baseline", "freescale"):
+        print(f"| {e} | " + " | ".join(_cell(row["stats"][e][m], digits[m]) for m in MEASURES) + " |")
+    print("| FreeScale / baseline | " + " | ".join(
+        "-" if row["ratios"][m] is None else f"{row['ratios'][m]:.3f}" for m in MEASURES) + " |")
+    w = row["quality_within_spread"]
+    print(f"samples/s {'above' if row['faster'] else 'NOT above'} the baseline's, bubble fraction "
+          f"{'lower' if row['fewer_bubbles'] else 'NOT lower'}; AUC {'within' if w['auc'] else 'OUTSIDE'} and NE "
+          f"{'within' if w['ne'] else 'OUTSIDE'} the baseline's run-to-run spread", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", nargs="+", default=["synthetic", "ml100k"])
+    parser.add_argument("--layouts", nargs="+", default=["2", "4", "2x2"],
+                        help="N: one job of N ranks; RxN: R replica groups of N ranks")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=8, help="steps left out of the bubble report's means")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
+    parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_e2e.json"))
+    args = parser.parse_args()
+    for layout in args.layouts:
+        parts = layout.split("x")
+        if not all(p.isdigit() and int(p) > 0 for p in parts) or len(parts) > 2:
+            raise SystemExit(f"--layouts: expected N or RxN, got '{layout}'")
+
+    common = [f"--train.steps={args.steps}", "--train.eval_every=0", "--checkpoint.every=0",
+              "--checkpoint.at_end=false", "--run.threads=1", f"--profile.warmup_steps={args.warmup}",
+              f"--run.log_every={max(args.steps // 4, 1)}", *(f"--{kv.removeprefix('--')}" for kv in args.set)]
+    started = time.time()
+    result = {"experiments": {e: os.path.relpath(p, REPO) for e, p in EXPERIMENTS.items()}, "steps": args.steps,
+              "warmup_steps": args.warmup, "repeats": args.repeats, "overrides": args.set, "rows": []}
+    report_dir = os.path.splitext(args.out)[0] + "_report"
+    total = len(args.data) * len(args.layouts) * args.repeats * len(EXPERIMENTS)
+    done = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        first_pair = None
+        for source in args.data:
+            overrides = data_overrides(source)
+            for layout in args.layouts:
+                runs = {e: [] for e in EXPERIMENTS}
+                for rep in range(args.repeats):
+                    for e in EXPERIMENTS:
+                        run_dir = os.path.join(tmp, f"{source}-{layout}-{e}-{rep}")
+                        r = run_once(e, layout, run_dir, [*overrides, *common, f"--run.seed={rep}"])
+                        runs[e].append(r)
+                        done += 1
+                        print(f"[{done}/{total}] {source} {layout:>4} rep {rep} {e:<9} {r['samples_per_s']:7.0f} samples/s"
+                              f" | bubbles {r['bubble_fraction']:.3f} | straggler {r['straggler_pct']:5.1f}% | exposed "
+                              f"comm {r['exposed_comm_ms']:5.1f} ms | auc {r['auc']:.4f} | ne {r['ne']:.4f} | "
+                              f"{r['wall_s']:.0f} s", flush=True)
+                if first_pair is None:
+                    first_pair = (runs["baseline"][-1]["run_dir"], runs["freescale"][-1]["run_dir"], source, layout)
+                row = {"data": source, "layout": layout, **compare(runs), "runs": runs}
+                result["rows"].append(row)
+                print_table(source, layout, row)
+        if first_pair:
+            shutil.rmtree(report_dir, ignore_errors=True)
+            proc = subprocess.run([sys.executable, "-m", "freescale", "report", first_pair[0], first_pair[1], "--out",
+                                   report_dir], cwd=REPO, capture_output=True, text=True)
+            print(proc.stdout.strip() or proc.stderr.strip())
+            result["report"] = {"dir": os.path.relpath(report_dir, REPO), "data": first_pair[2], "layout": first_pair[3]}
+    for row in result["rows"]:
+        for rs in row["runs"].values():
+            for r in rs:
+                r.pop("run_dir")
+    result["all_hold"] = all(r["faster"] and r["fewer_bubbles"] and all(r["quality_within_spread"].values())
+                             for r in result["rows"])
+    result["seconds"] = round(time.time() - started, 1)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    write_json_atomic(args.out, result)
+    print(f"\nwrote {args.out} ({result['seconds']:.0f} s); FreeScale faster with fewer bubbles and AUC/NE within the "
+          f"baseline's spread on every row: {result['all_hold']}")
+
+
+if __name__ == "__main__":
+    main()
