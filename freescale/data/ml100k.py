@@ -16,6 +16,8 @@ import subprocess
 import sys
 import zipfile
 
+from freescale.data.readers import DataError
+
 WHEEL = "recbole==1.2.1"
 MEMBER = "recbole/dataset_example/ml-100k/ml-100k.inter"
 
@@ -26,8 +28,6 @@ def ensure_ml100k(cache_dir: str = "runs/cache") -> str:
     Ranks of one host may call it at once: a lock file lets one download while the others
     wait, then find the file. A download that fails raises ``DataError`` with pip's last line.
     """
-    from freescale.data.readers import DataError
-
     target = os.path.join(cache_dir, "ml-100k.inter")
     if os.path.exists(target):
         return target
@@ -43,8 +43,6 @@ def ensure_ml100k(cache_dir: str = "runs/cache") -> str:
 
 
 def _download(cache_dir: str, target: str) -> None:
-    from freescale.data.readers import DataError
-
     wheels = glob.glob(os.path.join(cache_dir, "recbole-1.2.1-*.whl"))
     if not wheels:
         print(f"[ml100k] downloading {WHEEL} from PyPI into {cache_dir} (once)", file=sys.stderr, flush=True)
