@@ -269,6 +269,7 @@ def _verify(args, cfg) -> None:
 
 
 def _train(cfg) -> None:
+    from freescale import distributed
     from freescale.balance.cost import CostModelError
     from freescale.data.readers import DataError
     from freescale.train.checkpoint import CheckpointError
@@ -284,6 +285,7 @@ def _train(cfg) -> None:
             _fail(str(e.__cause__))
         print(f"freescale: error: {first_line(str(e))} (traceback in {e.log_path})", file=sys.stderr)
         sys.exit(EXIT_FAILED)
+    distributed.shutdown()  # while Python still runs: gloo's threads must not outlive the interpreter
 
 
 if __name__ == "__main__":

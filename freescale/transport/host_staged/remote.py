@@ -105,8 +105,13 @@ class RemoteTransfers:
                 from pending.error
         return True
 
-    def close(self) -> None:
-        """Let the waiters go once they are through what they hold."""
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Let the waiters go once they are through what they hold, and wait a little for them.
+
+        A waiter still inside gloo's ``wait`` when the interpreter finalizes aborts the process.
+        """
         for q in self._queues:
             q.put(None)
-        self._queues = []
+        for thread in self._waiters:
+            thread.join(timeout_s)
+        self._queues, self._waiters = [], []
