@@ -74,6 +74,11 @@ def _parser() -> argparse.ArgumentParser:
                      help="a restarted group resumes from its last checkpoint instead of catching up from a live peer")
     loc.add_argument("--max-restarts", type=int, default=3, help="restarts of a group that crashes (default 3)")
     loc.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
+    simp = sub.add_parser("simulate", help="project step time, bubbles and effective training time to 8 .. 100K ranks "
+                          "(baseline against the config's techniques)")
+    simp.add_argument("--config", required=True, help="experiment YAML file (its sim section holds the machine)")
+    simp.add_argument("--out", default="", help="write the projection as JSON here too")
+    simp.add_argument("--plot", default="", help="draw bubbles and effective training time against ranks into this PNG")
     show = sub.add_parser("config", help="print the resolved config (or every key with its docs)")
     show.add_argument("--config", help="experiment YAML file")
     show.add_argument("--keys", action="store_true", help="list every key with its default and description")
@@ -191,6 +196,25 @@ def _calibrate(args, cfg) -> None:
     print(f"wrote {out}")
 
 
+def _simulate(args, cfg) -> None:
+    from freescale.balance.cost import CostModelError, load_cost_model
+    from freescale.data.readers import DataError
+    from freescale.io import write_json_atomic
+    from freescale.sim.simulator import format_table, plot, project
+
+    try:
+        result = project(cfg, load_cost_model(cfg.balance.cost_model), log=lambda m: print(m, file=sys.stderr))
+    except (DataError, CostModelError) as e:
+        _fail(str(e))
+    print(format_table(result))
+    if args.out:
+        write_json_atomic(args.out, result)
+        print(f"wrote {args.out}")
+    if args.plot:
+        plot(result, args.plot)
+        print(f"wrote {args.plot}")
+
+
 def main(argv: list[str] | None = None) -> None:
     args, extra = _parser().parse_known_args(argv)
     if args.command in ("report", "balance", "lighthouse"):
@@ -211,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "verify":
         _verify(args, cfg)
+        return
+    if args.command == "simulate":
+        _simulate(args, cfg)
         return
     if args.command == "config":
         if args.keys:

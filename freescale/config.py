@@ -14,6 +14,7 @@ import ast
 import dataclasses
 import inspect
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -209,8 +210,8 @@ class CheckpointConfig:
 class BalanceConfig:
     enable: bool = False
     """Re-partition every global batch across the ranks by per-sample cost (off: contiguous slices)."""
-    partition: Literal["contiguous", "zigzag", "karmarkar_karp", "greedy", "vbs"] = "greedy"
-    """Partition function; greedy (equal counts) stays within 1% of the bound at 1024 ranks in tens of ms; vbs gives unequal sample counts and normalizes the loss globally."""
+    partition: Literal["contiguous", "zigzag", "karmarkar_karp", "greedy", "vbs", "hierarchical"] = "greedy"
+    """Partition function; greedy (equal counts) stays within 1% of the bound at 1024 ranks in tens of ms; vbs gives unequal sample counts and normalizes the loss globally; hierarchical (equal counts, hosts of 8 ranks first, then the ranks of each host) is for 8K-100K ranks."""
     cost_model: str = ""
     """Cost model JSON from `freescale calibrate`; empty = the built-in default."""
 
@@ -288,6 +289,50 @@ class FTConfig:
 
 
 @dataclass
+class SimConfig:
+    ranks: list[int] = field(default_factory=lambda: [8, 64, 256, 1024, 8192, 32768, 100000])
+    """`freescale simulate`: the rank counts to project (each >= 1)."""
+    steps: Annotated[int, Positive] = 20
+    """Global batches drawn per rank count (per-step figures are their means)."""
+    ranks_per_host: Annotated[int, Positive] = 8
+    """Ranks per host: they exchange over the intra-host link, the others over the network."""
+    cores_per_host: Annotated[int, NonNegative] = 0
+    """0 = every rank has its own accelerator; N = a host's ranks time-share N CPU cores (a CPU box)."""
+    compute_scale: Annotated[float, Range(min=1e-12)] = 1.0
+    """Multiplies the cost model's seconds (the target device's speed against the calibration machine's)."""
+    step_overhead_ms: Annotated[float, Range(min=0.0)] = 0.0
+    """Per-step compute outside the per-sample cost (dense optimizer, pipeline bookkeeping)."""
+    compute_jitter: Annotated[float, Range(min=0.0)] = 0.0
+    """Relative standard deviation of a rank's step compute around the cost model's figure."""
+    background_cpu_ms: Annotated[float, Range(min=0.0)] = 0.0
+    """Where cores are shared: CPU per step a rank's other threads (loader, collectives' threads) take beside its compute."""
+    collision_rate: Annotated[float, Probability] = 0.1
+    """Share of a step's embedding rows the previous step writes (the prioritized pipeline exchanges them first, exposed)."""
+    intra_bandwidth_gbs: Annotated[float, Range(min=1e-12)] = 450.0
+    """GB/s per rank, one way, between ranks of a host (default: H100 NVLink)."""
+    intra_latency_us: Annotated[float, Range(min=0.0)] = 5.0
+    """Start-up latency of one intra-host collective round."""
+    inter_bandwidth_gbs: Annotated[float, Range(min=1e-12)] = 50.0
+    """GB/s per rank, one way, between hosts (default: one 400 Gb/s NIC per rank)."""
+    inter_latency_us: Annotated[float, Range(min=0.0)] = 15.0
+    """Start-up latency of one cross-host collective round."""
+    sm_contention: Annotated[float, Probability] = 0.1
+    """Share of compute speed an SM-based collective (torch_dist on a GPU) takes while it overlaps compute; host_staged takes none."""
+    failures_per_rank_hour: Annotated[float, Range(min=0.0)] = 2e-5
+    """Failure rate of one rank (2e-5: one per 50,000 accelerator-hours); 0 = no effective-training-time projection."""
+    restart_s: Annotated[float, Range(min=0.0)] = 600.0
+    """Synchronous training: seconds for the whole job to restart and reload after a failure."""
+    checkpoint_every_s: Annotated[float, Range(min=0.0)] = 1800.0
+    """Synchronous training: seconds between checkpoints (a failure loses half of it on average)."""
+    replica_stall_s: Annotated[float, Range(min=0.0)] = 180.0
+    """Replica layer: seconds the surviving replica groups stall per failure (detection and a new quorum)."""
+    replica_ranks: Annotated[int, NonNegative] = 0
+    """Replica layer: ranks per replica group (fault domain); 0 = one host."""
+    rejoin_s: Annotated[float, Range(min=0.0)] = 600.0
+    """Replica layer: seconds until a failed group trains again (restart and catch-up); only its share of the job is lost meanwhile."""
+
+
+@dataclass
 class ExperimentConfig:
     run: RunConfig = field(default_factory=RunConfig)
     """Run identity, folder, device and logging."""
@@ -311,6 +356,8 @@ class ExperimentConfig:
     """Declared fault injection (off by default)."""
     ft: FTConfig = field(default_factory=FTConfig)
     """The fault-tolerant replica layer on torchft (off by default)."""
+    sim: SimConfig = field(default_factory=SimConfig)
+    """`freescale simulate`: the machine and failure parameters of a projection."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -504,6 +551,8 @@ def _coerce(tp: Any, value: Any, dotted: str) -> Any:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(f"{dotted}: expected an integer, got {value!r}")
     elif tp is float:
+        if isinstance(value, str) and _EXPONENT.fullmatch(value.strip()):
+            value = float(value)  # YAML 1.1 reads 1e-5 (no dot) as a string
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{dotted}: expected a number, got {value!r}")
         value = float(value)
@@ -520,6 +569,9 @@ def _coerce(tp: Any, value: Any, dotted: str) -> Any:
         if too_low or too_high:
             raise ConfigError(f"{dotted}: expected a value {range_.describe()}, got {value!r}")
     return value
+
+
+_EXPONENT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _check_cross_fields(cfg: ExperimentConfig) -> None:
@@ -555,6 +607,8 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
     if ft.enable and cfg.train.pipeline == "base":
         raise ConfigError("ft.enable: the replica layer votes on the steps of train.pipeline sparse_dist, "
                           "prioritized or sync, got base")
+    if any(r < 1 for r in cfg.sim.ranks):
+        raise ConfigError(f"sim.ranks: expected rank counts >= 1, got {cfg.sim.ranks}")
     if cfg.fault.during != "step" and not ft.enable:
         raise ConfigError(f"fault.during: {cfg.fault.during} needs the replica layer (ft.enable: true)")
 

@@ -13,6 +13,9 @@
     ``contiguous`` against ``karmarkar_karp`` and ``zigzag``, interleaved, each repetition
     printed; straggler % and step time from each run's bubble report, with ratios to
     ``contiguous``.
+(c) ``hierarchical`` at 8K, 32K and 100K ranks of 64 samples (up to 6.4M samples a global
+    batch): imbalance against the equal-count bound, milliseconds of the whole solve and of one
+    rank's own part (``hierarchical_rank``, what each rank runs), and ``greedy`` at 8K ranks.
 
 The cost model is ``runs/cost_model-bench_balance.json``, calibrated first if missing.
 Results go to ``runs/bench_balance.json``.
@@ -35,7 +38,8 @@ sys.path.insert(0, REPO)
 
 from freescale.io import write_json_atomic  # noqa: E402
 from freescale.balance.cost import CostModel  # noqa: E402
-from freescale.balance.partition import PARTITIONS, equal_count_bound, evaluate, lower_bound  # noqa: E402
+from freescale.balance.partition import (PARTITIONS, equal_count_bound, evaluate, greedy, hierarchical,  # noqa: E402
+                                         hierarchical_rank, imbalance, lower_bound)
 from freescale.config import SyntheticDataConfig, load_config  # noqa: E402
 from freescale.data.ml100k import ensure_ml100k, user_history_lengths  # noqa: E402
 from freescale.data.synthetic import sample_uih_lengths  # noqa: E402
@@ -108,6 +112,50 @@ def scale_check(rows: list[dict], ranks: int = 1024, within: float = 0.01, budge
                       f"({p['ms']['min']:.1f}-{p['ms']['max']:.1f}) {'yes' if ok else 'no'}")
         out[row["lengths"]] = verdicts
     return out
+
+
+def _timed(fn, repeats: int) -> tuple[object, dict]:
+    """``fn()``'s result and its milliseconds over ``repeats`` timed calls after one warm-up."""
+    result = fn()
+    ms = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        ms.append(1e3 * (time.perf_counter() - start))
+    ms.sort()
+    return result, {"median": ms[len(ms) // 2], "min": ms[0], "max": ms[-1]}
+
+
+def hierarchy_section(model: CostModel, rank_counts: list[int], cache: str, repeats: int = 3,
+                      greedy_up_to: int = 8192) -> list[dict]:
+    """``hierarchical`` at 8K-100K ranks: the whole solve, one rank's own part (what each rank
+    runs every step), and ``greedy`` over the whole batch where it still fits (up to
+    ``greedy_up_to`` ranks), against the equal-count bound."""
+    print(f"\n(c) hierarchical (hosts of 8 ranks) at scale, {PER_RANK} samples per rank: imbalance / ms "
+          f"(median of {repeats})")
+    print(f"{'lengths':<10}{'ranks':>7}{'samples':>9}{'bound':>8}{'hierarchical':>20}{'one rank':>12}{'greedy':>20}")
+    rows = []
+    for dist_name, draw in distributions(cache).items():
+        for ranks in rank_counts:
+            lengths = draw(ranks * PER_RANK, np.random.default_rng(ranks))
+            costs = model.cost(lengths, np.full(len(lengths), CANDIDATES))
+            bound = max(lower_bound(costs, ranks), equal_count_bound(costs, ranks))
+            parts, whole_ms = _timed(lambda: hierarchical(costs, ranks), repeats)
+            _, rank_ms = _timed(lambda: hierarchical_rank(costs, ranks, ranks - 1), repeats)
+            row = {"lengths": dist_name, "ranks": ranks, "samples": len(costs), "bound": bound,
+                   "hierarchical": {"imbalance": imbalance(costs, parts), "ms": whole_ms},
+                   "hierarchical_rank": {"ms": rank_ms}}
+            cell = "-"
+            if ranks <= greedy_up_to:
+                g, g_ms = _timed(lambda: greedy(costs, ranks), max(1, repeats // 2))
+                row["greedy"] = {"imbalance": imbalance(costs, g), "ms": g_ms}
+                cell = f"{row['greedy']['imbalance']:.4f}/{g_ms['median']:.0f}"
+            h = row["hierarchical"]
+            print(f"{dist_name:<10}{ranks:>7}{len(costs):>9}{bound:>8.4f}"
+                  f"{h['imbalance']:>11.4f}/{whole_ms['median']:<8.0f}{rank_ms['median']:>8.0f} ms{cell:>20}"
+                  f"   ({h['imbalance'] / bound - 1:+.2%} of the bound)", flush=True)
+            rows.append(row)
+    return rows
 
 
 def training_bound(model: CostModel, ranks: int, steps: int) -> float:
@@ -196,6 +244,7 @@ def main() -> None:
     result = {"cost_model": {k: getattr(model, k) for k in "abcd"},
               "partitions": partition_section(model, [8, 32, 128, 256, 1024], args.cache, args.repeats)}
     result["scale_check"] = scale_check(result["partitions"])
+    result["hierarchy"] = hierarchy_section(model, [8192, 32768, 100000], args.cache, args.repeats)
     if not args.skip_training:
         result["training"] = training_section(model, args.ranks, args.repeats, args.steps)
     result["seconds"] = round(time.time() - started, 1)

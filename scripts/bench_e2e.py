@@ -107,6 +107,13 @@ def run_once(experiment: str, layout: str, run_dir: str, overrides: list[str]) -
     }
 
 
+def common_overrides(steps: int, warmup: int, extra: list[str] = ()) -> list[str]:
+    """What every measured run sets: its length, no evaluation or checkpoints, one thread."""
+    return [f"--train.steps={steps}", "--train.eval_every=0", "--checkpoint.every=0", "--checkpoint.at_end=false",
+            "--run.threads=1", f"--profile.warmup_steps={warmup}", f"--run.log_every={max(steps // 4, 1)}",
+            *(f"--{kv.removeprefix('--')}" for kv in extra)]
+
+
 def _stats(values: list[float]) -> dict:
     return {"mean": float(np.mean(values)), "min": float(min(values)), "max": float(max(values))}
 
@@ -165,9 +172,7 @@ def main() -> None:
         if not all(p.isdigit() and int(p) > 0 for p in parts) or len(parts) > 2:
             raise SystemExit(f"--layouts: expected N or RxN, got '{layout}'")
 
-    common = [f"--train.steps={args.steps}", "--train.eval_every=0", "--checkpoint.every=0",
-              "--checkpoint.at_end=false", "--run.threads=1", f"--profile.warmup_steps={args.warmup}",
-              f"--run.log_every={max(args.steps // 4, 1)}", *(f"--{kv.removeprefix('--')}" for kv in args.set)]
+    common = common_overrides(args.steps, args.warmup, args.set)
     started = time.time()
     result = {"experiments": {e: os.path.relpath(p, REPO) for e, p in EXPERIMENTS.items()}, "steps": args.steps,
               "warmup_steps": args.warmup, "repeats": args.repeats, "overrides": args.set, "rows": []}

@@ -75,10 +75,18 @@ def commits(run: Path, replica: int) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def assert_kept_committing(run: Path, summary: dict, down: int) -> None:
-    """While group ``down`` was away, every other group committed steps, and ``down`` trained again after."""
+def assert_kept_committing(run: Path, summary: dict, down: int, kills_only: bool = False) -> None:
+    """While group ``down`` was away, every other group committed steps, and ``down`` trained
+    again after every failure.
+
+    ``kills_only``: the first part for kills only. A group that dies while the others send it
+    their state holds them in that transfer until its timeout, which can outlast a quick
+    restart; they then commit their next step beside it.
+    """
     for failure in summary["groups"][down]["failures"]:
         assert failure["rejoined_at"] is not None, failure
+        if kills_only and failure["cause"] != "killed":
+            continue
         for g in summary["groups"]:
             if g["replica"] != down:
                 during = [c for c in commits(run, g["replica"]) if failure["down_at"] < c["time"] < failure["rejoined_at"]]
@@ -116,7 +124,7 @@ def test_three_groups_survive_a_kill_and_a_kill_during_catch_up(tmp_path):
     causes = [f["cause"] for f in summary["groups"][2]["failures"]]
     assert "killed" in causes and any(c.startswith("exit") for c in causes), causes
     assert "exits at step" in (run / "replica2.console.log").read_text()  # the fault struck during catch-up
-    assert_kept_committing(run, summary, down=2)
+    assert_kept_committing(run, summary, down=2, kills_only=True)
     assert_exactly_once(summary, 600)
     assert_groups_agree(run, 3, tmp_path)
 

@@ -44,6 +44,11 @@ def test_override_values_are_typed_by_the_field():
     assert cfg.model.user_features is False
 
 
+def test_numbers_in_exponent_form_without_a_dot_are_numbers():
+    cfg = load_config(None, ["--sim.failures_per_rank_hour=1e-5", "--train.lr=5E-3"])
+    assert cfg.sim.failures_per_rank_hour == 1e-5 and cfg.train.lr == 5e-3
+
+
 @pytest.mark.parametrize(
     "overrides, fragment",
     [
@@ -66,6 +71,8 @@ def test_override_values_are_typed_by_the_field():
         (["--data.source=ratings", "--data.ratings.path=/no/such/ratings.csv"], "data.ratings.path: file not found: /no/such/ratings.csv"),
         (["--checkpoint.resume=/no/such/run"], "checkpoint.resume: folder not found: /no/such/run"),
         (["--train.steps"], "expected --section.key=value"),
+        (["--sim.ranks=[8, 0]"], "sim.ranks: expected rank counts >= 1, got [8, 0]"),
+        (["--train.lr=1e"], "train.lr: expected a number"),
     ],
 )
 def test_errors_name_the_key_and_expectation(overrides, fragment):
@@ -131,7 +138,7 @@ def test_shipped_experiments_resolve(path):
 def test_baseline_and_freescale_experiments_differ_only_in_the_techniques():
     base = dataclasses.asdict(load_config(QUICKSTART.parent / "baseline_torchrec.yaml", []))
     ours = dataclasses.asdict(load_config(QUICKSTART.parent / "freescale.yaml", []))
-    for section in ("data", "model", "embedding", "checkpoint", "profile"):
+    for section in ("data", "model", "embedding", "checkpoint", "profile", "sim"):
         assert base[section] == ours[section], section
     assert {k: v for k, v in base["train"].items() if k != "pipeline"} == \
            {k: v for k, v in ours["train"].items() if k != "pipeline"}

@@ -6,11 +6,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freescale.balance.cost import CostModel, fit_cost_model
-from freescale.balance.partition import PARTITIONS, _greedy_members, equal_count_bound, imbalance, lower_bound
+from freescale.balance.partition import (PARTITIONS, _greedy_members, equal_count_bound, hierarchical, hierarchical_host,
+                                         hierarchical_rank, host_split, imbalance, lower_bound)
 from freescale.config import SyntheticDataConfig
 from freescale.data.synthetic import sample_uih_lengths
 
-EQUAL_COUNTS = ("contiguous", "zigzag", "karmarkar_karp", "greedy")
+EQUAL_COUNTS = ("contiguous", "zigzag", "karmarkar_karp", "greedy", "hierarchical")
 
 
 @settings(max_examples=150, deadline=None)
@@ -159,3 +160,51 @@ def test_1024_ranks_of_64_samples_are_balanced_within_a_percent_of_the_bound(tai
     loads = costs[members].sum(axis=1)
     assert loads.max() / loads.mean() <= 1.005 * bound
     assert imbalance(costs, PARTITIONS["contiguous"](costs, 1024)) > 1.5 * bound
+
+
+HEAVY = SyntheticDataConfig(median_uih_len=32, sigma=1.0, tail_prob=0.03, tail_min_len=384, tail_alpha=1.0)
+
+
+@pytest.mark.parametrize("ranks", [8192, 8195])  # 8195: a last host of 3 ranks
+def test_hierarchical_balances_8k_ranks_and_each_rank_can_solve_only_its_part(ranks):
+    lengths = sample_uih_lengths(HEAVY, ranks * 64, 1, 2048, np.random.default_rng(ranks))
+    costs = CostModel(a=1.3e-5, b=5.4e-8, c=6.7e-6, d=7.6e-5).cost(lengths, np.full(len(lengths), 4))
+    parts = hierarchical(costs, ranks)
+    assert sorted(np.concatenate(parts).tolist()) == list(range(len(costs)))
+    counts = np.array([len(p) for p in parts])
+    assert counts.max() - counts.min() <= 1
+    bound = max(lower_bound(costs, ranks), equal_count_bound(costs, ranks))
+    assert bound > 1.05  # the heavy tail binds
+    assert imbalance(costs, parts) <= 1.01 * bound
+    # Every host's parts balanced on their own, not only the whole: hosts first.
+    host = host_split(costs, ranks)
+    for r in (0, 9, ranks // 2, ranks - 1):
+        assert (host[parts[r]] == r // 8).all()
+        assert np.array_equal(hierarchical_rank(costs, ranks, r), parts[r])
+    last = (ranks - 1) // 8
+    mine = hierarchical_host(costs, ranks, last)
+    assert len(mine) == ranks - 8 * last
+    assert all(np.array_equal(a, b) for a, b in zip(mine, parts[8 * last:]))
+    assert np.bincount(host, minlength=last + 1).tolist() == [int(counts[8 * h:8 * h + 8].sum()) for h in range(last + 1)]
+
+
+def test_hierarchical_with_many_samples_tied_at_the_length_cap():
+    # A quarter of the ranks get a sample at the cap, each 0.6 of a rank's mean load: their
+    # ranks must take the smallest companions, whichever host they land on.
+    lengths = sample_uih_lengths(SyntheticDataConfig(), 1024 * 64, 1, 2048, np.random.default_rng(0))
+    costs = lengths.astype(np.float64) ** 1.3 + 50
+    assert (costs == costs.max()).sum() > 200
+    bound = max(lower_bound(costs, 1024), equal_count_bound(costs, 1024))
+    assert imbalance(costs, hierarchical(costs, 1024)) <= 1.025 * bound
+
+
+def test_hierarchical_errors_name_what_was_wrong():
+    costs = np.ones(64)
+    with pytest.raises(ValueError, match="ranks_per_host must be a positive integer"):
+        hierarchical(costs, 8, ranks_per_host=0)
+    with pytest.raises(ValueError, match=r"host must be an integer in \[0, 2\)"):
+        hierarchical_host(costs, 16, 2)
+    with pytest.raises(ValueError, match=r"rank must be an integer in \[0, 16\)"):
+        hierarchical_rank(costs, 16, 16)
+    with pytest.raises(ValueError, match="finite and non-negative"):
+        hierarchical(np.array([1.0, -1.0] * 8), 4)

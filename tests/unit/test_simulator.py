@@ -1,0 +1,137 @@
+"""The simulator: its pieces against references, its figures against the profiler's own
+arithmetic, and `freescale simulate` end to end."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from freescale.balance.cost import CostModel
+from freescale.config import load_config
+from freescale.profile.bubbles import decompose, summarize
+from freescale.sim.simulator import (LengthSampler, all_reduce_s, all_to_all_s, effective_training_time,
+                                     processor_sharing, simulate_steps, step_timings, variants)
+from helpers.launch import REPO, freescale
+
+FREESCALE = str(REPO / "configs" / "freescale.yaml")
+
+
+def _sharing_by_time_steps(work, cores, dt=1e-4):
+    """Processor sharing, the slow way: advance time in small steps, sharing the cores."""
+    left = np.array(work, dtype=np.float64)
+    finish = np.full(len(left), np.nan)
+    t = 0.0
+    while np.isnan(finish).any():
+        running = np.flatnonzero(np.isnan(finish))
+        rate = min(1.0, cores / len(running))
+        left[running] -= rate * dt
+        t += dt
+        finish[running[left[running] <= 0]] = t
+    return finish
+
+
+@pytest.mark.parametrize("work,cores", [([0.05, 0.2, 0.1, 0.3], 2), ([0.1, 0.1, 0.4], 2), ([0.2, 0.05, 0.1], 1)])
+def test_processor_sharing_matches_a_time_stepped_reference(work, cores):
+    assert np.allclose(processor_sharing(work, cores), _sharing_by_time_steps(work, cores), atol=3e-4)
+
+
+def test_ranks_with_a_core_each_finish_when_their_work_is_done():
+    work = [0.3, 0.1, 0.2]
+    assert processor_sharing(work, 0).tolist() == work and processor_sharing(work, 4).tolist() == work
+
+
+def test_collective_prices_follow_latency_plus_bytes_over_bandwidth():
+    sim = load_config(FREESCALE, ["sim.ranks_per_host=8", "sim.intra_bandwidth_gbs=100", "sim.intra_latency_us=10",
+                                  "sim.inter_bandwidth_gbs=10", "sim.inter_latency_us=20"]).sim
+    assert all_to_all_s(1e9, 1, sim) == 0.0 and all_reduce_s(1e9, 1, sim) == 0.0
+    # 2 ranks, one host: half the bytes stay home, the other half cross the intra-host link once.
+    assert all_to_all_s(1e9, 2, sim) == pytest.approx(10e-6 + 0.5e9 / 100e9)
+    # 16 ranks on 2 hosts: 8/16 of the bytes leave the host at 10 GB/s; 3 + 1 latency rounds.
+    assert all_to_all_s(1e9, 16, sim, messages=2) == pytest.approx(2 * (3 * 10e-6 + 20e-6) + 0.5e9 / 10e9)
+    # Ring inside the host, a host's eighth across hosts.
+    assert all_reduce_s(8e8, 16, sim) == pytest.approx(2 * 50e-6 + 2 * 8e8 * 7 / 8 / 100e9 + 2 * 1e8 / 2 / 10e9)
+
+
+def test_effective_training_time_of_both_recoveries():
+    sim = load_config(FREESCALE, ["sim.failures_per_rank_hour=1e-5", "sim.restart_s=600", "sim.checkpoint_every_s=1800",
+                                  "sim.replica_stall_s=60", "sim.rejoin_s=600", "sim.replica_ranks=8"]).sim
+    ett = effective_training_time(36000, sim)  # 0.36 failures an hour: one every 10,000 s
+    assert ett["hours_between_failures"] == pytest.approx(10000 / 3600)
+    assert ett["sync_restart"] == pytest.approx(10000 / (10000 + 600 + 900))
+    assert ett["replica_layer"] == pytest.approx(10000 / (10000 + 60 + 600 * 8 / 36000))
+
+
+@pytest.fixture(scope="module")
+def cpu_box():
+    cfg = load_config(FREESCALE, ["sim.steps=30", "sim.cores_per_host=2", "sim.ranks_per_host=4",
+                                  "sim.compute_jitter=0.1", "sim.step_overhead_ms=40", "sim.intra_bandwidth_gbs=1",
+                                  "sim.intra_latency_us=500"])
+    return cfg, LengthSampler(cfg), CostModel()
+
+
+@pytest.mark.parametrize("ranks", [2, 4, 8])
+def test_the_figures_are_what_the_profiler_reports_for_the_same_steps(cpu_box, ranks):
+    cfg, sampler, model = cpu_box
+    for variant in variants(cfg):
+        records = {r: [] for r in range(ranks)}
+        for step, (T, w) in enumerate(step_timings(cfg, variant, ranks, model, sampler, seed=3), start=1):
+            for r in range(ranks):
+                records[r].append({"step": step, "start": 100.0 * step, "end": 100.0 * step + T, "cpu": float(w[r]),
+                                   "data_cpu": 0.0, "spans": [], "uih_tokens": 0})
+        profiled = summarize(decompose(records))["summary"]
+        simulated = simulate_steps(cfg, variant, ranks, model, sampler, seed=3)
+        assert simulated.straggler_pct == pytest.approx(profiled["straggler_pct"], rel=1e-3)
+        assert simulated.exposed_comm_ms == pytest.approx(profiled["exposed_comm_ms_per_step"], abs=2e-3)
+        assert simulated.bubble_fraction == pytest.approx(profiled["bubble_fraction"], abs=1e-5)
+        assert simulated.step_ms == pytest.approx(profiled["step_ms"], abs=2e-3)
+
+
+def test_the_balancer_cuts_the_straggler_and_shared_cores_show_as_exposed_time(cpu_box):
+    cfg, sampler, model = cpu_box
+    baseline, balanced = (simulate_steps(cfg, v, 4, model, sampler) for v in variants(cfg))
+    assert balanced.straggler_pct < baseline.straggler_pct / 2
+    # 4 ranks on 2 cores: a rank's compute takes about twice its CPU time, which the profiler counts as waiting.
+    assert baseline.exposed_comm_ms > 0.5 * (baseline.step_ms - baseline.straggler_pct / 100 * baseline.step_ms) / 2
+
+
+def test_prioritized_exchanges_expose_only_the_collision_rows():
+    cfg = load_config(FREESCALE, ["sim.steps=4", "sim.inter_bandwidth_gbs=0.5", "sim.compute_jitter=0"])
+    sampler, model = LengthSampler(cfg), CostModel()
+    base, fs = variants(cfg)
+    prioritized = {c: simulate_steps(load_config(FREESCALE, ["sim.steps=4", "sim.inter_bandwidth_gbs=0.5",
+                                                             f"sim.collision_rate={c}"]), fs, 64, model, sampler)
+                   for c in (0.05, 0.5)}
+    sparse_dist = simulate_steps(cfg, base, 64, model, sampler)
+    assert prioritized[0.05].exposed_comm_ms < prioritized[0.5].exposed_comm_ms < sparse_dist.exposed_comm_ms
+
+
+def test_overlapped_exchanges_longer_than_the_compute_are_exposed():
+    # 2 ranks, 5 ms latency a collective, almost no compute: the baseline's input dist (3
+    # all-to-alls, overlapped) cannot hide behind 1 ms of compute; the rows, the gradients and
+    # the dense all-reduce (2 rounds) are exposed in full.
+    cfg = load_config(FREESCALE, ["sim.steps=3", "sim.compute_scale=1e-12", "sim.step_overhead_ms=1",
+                                  "sim.compute_jitter=0", "sim.intra_latency_us=5000", "sim.intra_bandwidth_gbs=1e6",
+                                  "model.user_features=false"])
+    base, _ = variants(cfg)
+    figures = simulate_steps(cfg, base, 2, CostModel(), LengthSampler(cfg))
+    assert figures.exposed_comm_ms == pytest.approx((3 * 5 - 1) + 2 * 5 + 2 * 5, abs=0.01)
+
+
+def test_freescale_simulate_prints_and_writes_the_projection(tmp_path):
+    out = tmp_path / "sim.json"
+    proc = freescale("simulate", "--config", FREESCALE, "--sim.ranks=[8,256]", "--sim.steps=3", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert "ranks" in proc.stdout and "projections" in proc.stdout
+    data = json.loads(out.read_text())
+    assert [r["ranks"] for r in data["rows"]] == [8, 256]
+    for row in data["rows"]:
+        assert row["freescale"]["straggler_pct"] < row["baseline"]["straggler_pct"]
+        ett = row["effective_training_time"]
+        assert 0 < ett["sync_restart"] <= ett["replica_layer"] <= 1 and math.isfinite(ett["hours_between_failures"])
+
+
+def test_freescale_simulate_rejects_a_bad_rank_count_in_one_line():
+    proc = freescale("simulate", "--config", FREESCALE, "--sim.ranks=[0,8]")
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0
+    assert "sim.ranks" in proc.stderr
