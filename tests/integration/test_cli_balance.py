@@ -15,7 +15,7 @@ def test_balance_prints_every_partition(tmp_path):
     np.save(tmp_path / "lengths.npy", lengths)
     proc = check(freescale("balance", "--lengths", str(tmp_path / "lengths.npy"), "--ranks", "8", "--json", timeout=120))
     result = json.loads(proc.stdout)
-    assert set(result) == {"contiguous", "zigzag", "karmarkar_karp", "greedy", "vbs"}
+    assert set(result) == {"contiguous", "zigzag", "karmarkar_karp", "greedy", "hierarchical", "vbs"}
     costs = CostModel().cost(lengths, np.ones_like(lengths))
     for name, r in result.items():
         assert r["imbalance"] == pytest.approx(r["max_cost"] / r["mean_cost"])
