@@ -2,7 +2,9 @@
 
 A step record holds the step's wall-clock start and end (``time.time()`` plus this rank's
 clock offset, so records of ranks on different hosts line up), the CPU time the rank's main
-thread spent in the step, and spans of the phases the trainer can see:
+thread spent in the step (``cpu``), the CPU all the rank's threads spent in it
+(``process_cpu``: the main thread's plus the loader's, gloo's and the transport's), and spans
+of the phases the trainer can see:
 
 - ``data``: waiting for the loader (its CPU time is kept apart as ``data_cpu``);
 - ``forward``, ``backward``, ``optimizer``: the model's phases (backward runs from the end of
@@ -73,14 +75,17 @@ class StepTimeline:
         self._data_cpu = 0.0
         self._in_step = True
         self._cpu0 = time.thread_time()
+        self._process_cpu0 = time.process_time()
         self._start = self.now()
 
     def end_step(self, step: int, output) -> None:
         end = self.now()
         cpu = time.thread_time() - self._cpu0
+        process_cpu = time.process_time() - self._process_cpu0
         self._in_step = False
         self._write({
             "step": step, "start": self._start, "end": end, "cpu": cpu, "data_cpu": self._data_cpu,
+            "process_cpu": process_cpu,
             "spans": self._spans, "samples": int(output.sample_ids.numel()),
             "uih_tokens": int(output.uih_lengths.sum()), **self._notes,
         })

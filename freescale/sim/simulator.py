@@ -10,9 +10,10 @@ TorchRec's ``sparse_dist`` pipeline, ``torch_dist``):
    per-sample seconds (what the run-time balancer does);
 3. each rank's compute ``w = compute_scale * sum(cost) * (1 + jitter) + step_overhead``; the
    jitter is what the cost model does not predict, so a balanced batch keeps a residual
-   straggler; on a CPU box (``sim.cores_per_host``) a host's ranks, and their other threads'
-   ``background_cpu_ms``, time-share its cores (processor sharing), so a rank's compute ends
-   later than ``w`` while others still run;
+   straggler; on a CPU box (``sim.cores_per_host``) a host's ranks, their other threads'
+   ``background_cpu_ms`` and the threads that move their overlapped exchanges
+   (``overlap_cpu_share`` of those exchanges' time) time-share its cores (processor
+   sharing), so a rank's compute ends later than ``w`` while others still run;
 4. communication per step from the model's sizes (``comm_plan``): every exchange is an
    all-to-all or an all-reduce priced as latency + bytes / bandwidth over the intra-host and
    the cross-host link; what the pipeline overlaps with compute is exposed only beyond the
@@ -182,9 +183,11 @@ def processor_sharing(work: np.ndarray, cores: int) -> np.ndarray:
     return finish
 
 
-def _host_finish(work: np.ndarray, sim: SimConfig) -> np.ndarray:
-    """When a host's ranks finish their compute, sharing its cores with their other threads."""
-    background = np.full(len(work), sim.background_cpu_ms / 1e3)
+def _host_finish(work: np.ndarray, sim: SimConfig, overlapped_s: float = 0.0) -> np.ndarray:
+    """When a host's ranks finish their compute, sharing its cores with their other threads:
+    ``background_cpu_ms`` each, and the CPU their overlapped exchanges take
+    (``overlap_cpu_share`` of ``overlapped_s``)."""
+    background = np.full(len(work), sim.background_cpu_ms / 1e3 + sim.overlap_cpu_share * overlapped_s)
     return processor_sharing(np.concatenate([work, background]), sim.cores_per_host)[:len(work)]
 
 
@@ -282,7 +285,7 @@ def step_timings(cfg: ExperimentConfig, variant: Variant, ranks: int, model: Cos
         else:
             w_wall = w
         if sim.cores_per_host:
-            finish = np.concatenate([_host_finish(w_wall[h * g:(h + 1) * g], sim) for h in range(hosts)])
+            finish = np.concatenate([_host_finish(w_wall[h * g:(h + 1) * g], sim, overlapped) for h in range(hosts)])
         else:
             finish = w_wall
         exposed_comm += max(0.0, overlapped - float(np.min(w_wall)))  # what the compute cannot hide
