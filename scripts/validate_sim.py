@@ -9,9 +9,12 @@ The machine's parameters are measured apart from the runs they are checked again
 2. per-step overhead and jitter: a one-rank run of configs/baseline_torchrec.yaml, one thread;
    its batches are regenerated from the data stream (their token counts checked against the
    profile), and each step's compute is compared with the cost model's sum over its samples:
-   overhead = mean difference, jitter = their spread relative to the step's compute;
-3. communication: gloo all-to-all on 2 and 4 processes, a small message for the latency and a
-   large one for the bandwidth;
+   overhead = mean difference, jitter = their spread relative to the step's compute; the
+   rank's other threads' CPU per step is its records' ``process_cpu`` less ``cpu``;
+3. communication, per transport (gloo's ``torch_dist``, ``host_staged``) on 2 and 4
+   processes: a small all-to-all for the latency, a large one for the bandwidth, and how much
+   a fixed compute slows down beside overlapped all-to-alls (the CPU their threads take from
+   the ranks' cores, as a share of the exchanges' own time: ``sim.overlap_cpu_share``);
 4. the host: this machine's cores, time-shared by its ranks (``sim.cores_per_host``).
 
 A figure passes when the simulated value is within 25% (relative) of the measured mean.
@@ -25,7 +28,6 @@ import argparse
 import json
 import math
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -52,43 +54,36 @@ WITHIN = 0.25
 METRICS = ("straggler_pct", "exposed_comm_ms")
 
 
-def run(cmd: list[str]) -> float:
-    """Run ``cmd``; the CPU seconds its processes took (every thread, user + system)."""
+def run(cmd: list[str]) -> None:
     print("$ " + " ".join(cmd), flush=True)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
     if proc.returncode:
         sys.exit(f"failed (exit {proc.returncode}): {' '.join(cmd)}\n{proc.stderr[-2000:]}")
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def measure_cost_model(out: str) -> None:
     run([sys.executable, "-m", "freescale", "calibrate", "--config", BASELINE, "--out", out, "--repeats", "3"])
 
 
-def one_rank(run_dir: str, steps: int, warmup: int) -> float:
-    return run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "freescale",
-                "train", "--config", BASELINE, f"--train.steps={steps}", "--run.threads=1", f"--run.dir={run_dir}",
-                "--train.eval_every=0", "--checkpoint.every=0", "--profile.enable=true",
-                f"--profile.warmup_steps={warmup}"])
+def one_rank(run_dir: str, steps: int, warmup: int) -> None:
+    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "freescale",
+         "train", "--config", BASELINE, f"--train.steps={steps}", "--run.threads=1", f"--run.dir={run_dir}",
+         "--train.eval_every=0", "--checkpoint.every=0", "--profile.enable=true", f"--profile.warmup_steps={warmup}"])
 
 
-def measure_overhead(cost_model_path: str, work: str, steps: int = 30, warmup: int = 5, short: int = 10) -> dict:
+def measure_overhead(cost_model_path: str, work: str, steps: int = 30, warmup: int = 5) -> dict:
     """Per-step compute outside the cost model, its jitter, and the CPU the rank's other threads
-    take per step (loader, gloo, proxy: the CPU of a run of ``steps`` minus one of ``short``
-    steps, per step, minus the main thread's), from one-rank runs."""
+    take per step (the loader's and the like: each step record's ``process_cpu`` less its main
+    thread's ``cpu``), from a one-rank run."""
     run_dir = os.path.join(work, "one_rank")
-    cpu_long = one_rank(run_dir, steps, warmup)
-    cpu_short = one_rank(os.path.join(work, "one_rank_short"), short, warmup)
+    one_rank(run_dir, steps, warmup)
     cfg = load_config(BASELINE, [])
     source, _ = build_sources(cfg.data, cfg.run.seed)
     model = load_cost_model(cost_model_path)
     with open(os.path.join(run_dir, "profile", "rank0.jsonl")) as f:
         records = [r for r in map(json.loads, f) if "step" in r]
     B = cfg.data.batch_size
-    main_cpu = np.mean([r["cpu"] for r in records if short < r["step"] <= steps])
-    background = max(0.0, (cpu_long - cpu_short) / (steps - short) - float(main_cpu))
+    background = float(np.mean([r["process_cpu"] - r["cpu"] for r in records if r["step"] > warmup]))
     predicted, compute = [], []
     for s in decompose({0: records}):
         if s.step <= warmup:
@@ -106,8 +101,13 @@ def measure_overhead(cost_model_path: str, work: str, steps: int = 30, warmup: i
             "compute_ms": 1e3 * float(compute.mean()), "cost_model_ms": 1e3 * float(predicted.mean())}
 
 
+OVERLAP_BYTES, OVERLAP_MESSAGES = 64 << 10, 4
+"""Exchanges overlapped with compute in the overlap measurement: the size of a step's
+overlapped id and row exchanges here, and how many a step has."""
+
 _COMM_WORKER = r"""
 import sys, time, torch, torch.distributed as dist
+OVERLAP_BYTES, OVERLAP_MESSAGES, WORK = OVERLAP_ARGS
 rank, world, path, out, busy, kind, repo = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                             float(sys.argv[5]), sys.argv[6], sys.argv[7])
 sys.path.insert(0, repo)
@@ -118,7 +118,7 @@ dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_s
 transport = build_transport(load_config(f"{repo}/configs/freescale.yaml", [f"transport.kind={kind}"]).transport)
 a = torch.randn(256, 256)
 res = {}
-for nbytes, messages in ((1024, 8), (4 << 20, 1)):
+for nbytes, messages in ((1024, 8), (OVERLAP_BYTES, OVERLAP_MESSAGES), (4 << 20, 1)):
     x = torch.zeros(nbytes // 4 // world * world)
     exposed = []
     for i in range(45):
@@ -134,6 +134,22 @@ for nbytes, messages in ((1024, 8), (4 << 20, 1)):
         exposed.append((done - max(ends)) / messages)  # past the last rank's compute: the exchanges' own time
     kept = sorted(exposed[5:])[2:-2]  # a trimmed mean: the odd descheduled iteration aside
     res[nbytes] = sum(kept) / len(kept)
+# Overlap: the same fixed compute alone, and with exchanges launched before it and waited
+# after it (as the pipelines overlap them); the compute's slowdown is the CPU they took.
+x = torch.zeros(OVERLAP_BYTES // 4 // world * world)
+splits = [x.numel() // world] * world
+alone, beside = [], []
+for i in range(60):
+    dist.barrier()
+    handles = [transport.all_to_all_single(x, splits, splits) for _ in range(OVERLAP_MESSAGES)] if i % 2 else []
+    t0 = time.perf_counter()
+    for _ in range(WORK):
+        a = (a @ a).clamp_(-1, 1)
+    (beside if i % 2 else alone).append(time.perf_counter() - t0)
+    for h in handles:
+        h.wait()
+trim = lambda v: sorted(v[3:])[2:-2]
+res["slowdown"] = (sum(trim(beside)) / len(trim(beside)) - sum(trim(alone)) / len(trim(alone))) / OVERLAP_MESSAGES
 if rank == 0:
     open(out, "w").write(repr(res))
 transport.close()
@@ -145,7 +161,8 @@ def measure_comm(world: int, work: str, kind: str, busy_s: float = 0.03) -> dict
     """All-to-all latency and bandwidth of transport ``kind`` on ``world`` processes of this
     machine, each round of exchanges after ``busy_s`` of compute, as in a training step."""
     store, out = os.path.join(work, f"store-{kind}-{world}"), os.path.join(work, f"comm-{kind}-{world}.txt")
-    procs = [subprocess.Popen([sys.executable, "-c", _COMM_WORKER, str(r), str(world), store, out, str(busy_s), kind,
+    worker = _COMM_WORKER.replace("OVERLAP_ARGS", f"{OVERLAP_BYTES}, {OVERLAP_MESSAGES}, 150")
+    procs = [subprocess.Popen([sys.executable, "-c", worker, str(r), str(world), store, out, str(busy_s), kind,
                                REPO]) for r in range(world)]
     if any(p.wait(timeout=300) for p in procs):
         sys.exit(f"the {kind} all-to-all measurement on {world} processes failed")
@@ -154,8 +171,11 @@ def measure_comm(world: int, work: str, kind: str, busy_s: float = 0.03) -> dict
     small, big = res[1024], res[4 << 20]
     rounds = max(1, math.ceil(math.log2(world)))
     moved = (4 << 20) * (world - 1) / world
+    # Of an overlapped exchange's own time, the share its threads took from the compute.
+    share = min(max(res["slowdown"] / res[OVERLAP_BYTES], 0.0), 1.0)
     return {"latency_us": 1e6 * small / rounds, "bandwidth_gbs": moved / max(big - small, 1e-9) / 1e9,
-            "small_ms": 1e3 * small, "big_ms": 1e3 * big}
+            "small_ms": 1e3 * small, "big_ms": 1e3 * big, "overlap_ms": 1e3 * res[OVERLAP_BYTES],
+            "overlap_slowdown_ms": 1e3 * res["slowdown"], "overlap_cpu_share": share}
 
 
 def measured_rows(path: str) -> dict:
@@ -220,7 +240,8 @@ def main() -> None:
         for v in variants(load_config(FREESCALE, overrides)):
             link = comm[(R, v.transport)]  # each experiment's own transport
             cfg = load_config(FREESCALE, [*overrides, f"sim.intra_latency_us={link['latency_us']}",
-                                          f"sim.intra_bandwidth_gbs={link['bandwidth_gbs']}"])
+                                          f"sim.intra_bandwidth_gbs={link['bandwidth_gbs']}",
+                                          f"sim.overlap_cpu_share={link['overlap_cpu_share']}"])
             sim = simulate_steps(cfg, v, R, model, sampler, seed=cfg.run.seed, steps=args.steps)
             for metric in METRICS:
                 m = stats[v.name][metric]

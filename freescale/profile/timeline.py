@@ -54,7 +54,8 @@ class StepTimeline:
                               "threads": threads, "host": os.uname().nodename}})
         self._in_step = False
         self._spans: list = []
-        self._open: dict[str, float] = {}
+        self._open: dict[str, tuple[float, float]] = {}
+        self._span_cpu: dict[str, float] = {}
         self._trace_steps = torch_trace_steps or []
         self._trace_path = trace_path
         self._torch_profiler = None
@@ -72,6 +73,7 @@ class StepTimeline:
         self._spans = []
         self._open = {}
         self._notes = {}
+        self._span_cpu = {}
         self._data_cpu = 0.0
         self._in_step = True
         self._cpu0 = time.thread_time()
@@ -85,7 +87,7 @@ class StepTimeline:
         self._in_step = False
         self._write({
             "step": step, "start": self._start, "end": end, "cpu": cpu, "data_cpu": self._data_cpu,
-            "process_cpu": process_cpu,
+            "process_cpu": process_cpu, "span_cpu": self._span_cpu,
             "spans": self._spans, "samples": int(output.sample_ids.numel()),
             "uih_tokens": int(output.uih_lengths.sum()), **self._notes,
         })
@@ -98,7 +100,7 @@ class StepTimeline:
 
     def open(self, kind: str) -> None:
         if self._in_step:
-            self._open[kind] = self.now()
+            self._open[kind] = (self.now(), time.thread_time())
 
     def note(self, key: str, value) -> None:
         """Add ``key`` to this step's record (summed if noted again in the step)."""
@@ -106,9 +108,11 @@ class StepTimeline:
             self._notes[key] = self._notes.get(key, 0) + value
 
     def close(self, kind: str) -> None:
-        start = self._open.pop(kind, None)
-        if start is not None:
+        opened = self._open.pop(kind, None)
+        if opened is not None:
+            start, cpu = opened
             self._spans.append([kind, start, self.now()])
+            self._span_cpu[kind] = self._span_cpu.get(kind, 0.0) + time.thread_time() - cpu
 
     @contextmanager
     def span(self, kind: str):
