@@ -3,8 +3,9 @@
 A step record holds the step's wall-clock start and end (``time.time()`` plus this rank's
 clock offset, so records of ranks on different hosts line up), the CPU time the rank's main
 thread spent in the step (``cpu``), the CPU all the rank's threads spent in it
-(``process_cpu``: the main thread's plus the loader's, gloo's and the transport's), and spans
-of the phases the trainer can see:
+(``process_cpu``: the main thread's plus the loader's, gloo's and the transport's), spans
+of the phases the trainer can see, and the main thread's CPU in each kind of span
+(``span_cpu``: a span's wall time beyond it is waiting inside that phase):
 
 - ``data``: waiting for the loader (its CPU time is kept apart as ``data_cpu``);
 - ``forward``, ``backward``, ``optimizer``: the model's phases (backward runs from the end of
