@@ -306,8 +306,8 @@ class SimConfig:
     """Relative standard deviation of a rank's step compute around the cost model's figure."""
     background_cpu_ms: Annotated[float, Range(min=0.0)] = 0.0
     """Where cores are shared: CPU per step a rank's other threads (loader, collectives' threads) take beside its compute."""
-    overlap_cpu_share: Annotated[float, Probability] = 0.0
-    """Where cores are shared: share of an overlapped exchange's time its threads (gloo's, the proxy) take from the ranks' cores."""
+    overlap_cpu_us: Annotated[float, Range(min=0.0)] = 0.0
+    """Where cores are shared: CPU each overlapped collective's threads (gloo's, the proxy) take from the ranks' cores."""
     collision_rate: Annotated[float, Probability] = 0.1
     """Share of a step's embedding rows the previous step writes (the prioritized pipeline exchanges them first, exposed)."""
     intra_bandwidth_gbs: Annotated[float, Range(min=1e-12)] = 450.0

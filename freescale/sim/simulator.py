@@ -12,8 +12,7 @@ TorchRec's ``sparse_dist`` pipeline, ``torch_dist``):
    jitter is what the cost model does not predict, so a balanced batch keeps a residual
    straggler; on a CPU box (``sim.cores_per_host``) a host's ranks, their other threads'
    ``background_cpu_ms`` and the threads that move their overlapped exchanges
-   (``overlap_cpu_share`` of those exchanges' time) time-share its cores (processor
-   sharing), so a rank's compute ends later than ``w`` while others still run;
+   (``overlap_cpu_us`` per collective) time-share its cores (processor sharing), so a rank's compute ends later than ``w`` while others still run;
 4. communication per step from the model's sizes (``comm_plan``): every exchange is an
    all-to-all or an all-reduce priced as latency + bytes / bandwidth over the intra-host and
    the cross-host link; what the pipeline overlaps with compute is exposed only beyond the
@@ -183,11 +182,10 @@ def processor_sharing(work: np.ndarray, cores: int) -> np.ndarray:
     return finish
 
 
-def _host_finish(work: np.ndarray, sim: SimConfig, overlapped_s: float = 0.0) -> np.ndarray:
+def _host_finish(work: np.ndarray, sim: SimConfig, overlapped_messages: int = 0) -> np.ndarray:
     """When a host's ranks finish their compute, sharing its cores with their other threads:
-    ``background_cpu_ms`` each, and the CPU their overlapped exchanges take
-    (``overlap_cpu_share`` of ``overlapped_s``)."""
-    background = np.full(len(work), sim.background_cpu_ms / 1e3 + sim.overlap_cpu_share * overlapped_s)
+    ``background_cpu_ms`` each, and ``overlap_cpu_us`` per overlapped collective."""
+    background = np.full(len(work), sim.background_cpu_ms / 1e3 + 1e-6 * sim.overlap_cpu_us * overlapped_messages)
     return processor_sharing(np.concatenate([work, background]), sim.cores_per_host)[:len(work)]
 
 
@@ -260,6 +258,7 @@ def step_timings(cfg: ExperimentConfig, variant: Variant, ranks: int, model: Cos
     split = PARTITIONS[variant.partition]
     plan = comm_plan(cfg, variant)
     g, hosts = _hosts(ranks, sim)
+    overlapped_messages = sum(ex.messages for ex in plan if ex.overlapped)
     for _ in range(steps):
         lengths, cands = sampler.draw(rng, batch * ranks)
         predicted = model.cost(lengths, cands)
@@ -285,7 +284,7 @@ def step_timings(cfg: ExperimentConfig, variant: Variant, ranks: int, model: Cos
         else:
             w_wall = w
         if sim.cores_per_host:
-            finish = np.concatenate([_host_finish(w_wall[h * g:(h + 1) * g], sim, overlapped) for h in range(hosts)])
+            finish = np.concatenate([_host_finish(w_wall[h * g:(h + 1) * g], sim, overlapped_messages) for h in range(hosts)])
         else:
             finish = w_wall
         exposed_comm += max(0.0, overlapped - float(np.min(w_wall)))  # what the compute cannot hide

@@ -120,14 +120,14 @@ def test_overlapped_exchanges_longer_than_the_compute_are_exposed():
 
 def test_overlapped_exchanges_take_their_cpu_share_from_busy_cores():
     # 2 ranks on 2 cores, no jitter, 5 ms a collective: the baseline's overlapped input dist
-    # (3 all-to-alls, 15 ms) hides behind the compute, but its threads take 40% of that time
+    # (3 all-to-alls, 15 ms) hides behind the compute, but its threads take 2 ms of CPU each
     # from the ranks' cores; both ranks finish 6 ms later, which the profiler sees as waiting.
     # With a core to spare the same threads run beside the ranks and cost nothing.
     def config(cores, share):
         return load_config(FREESCALE, ["sim.steps=2", "sim.compute_jitter=0", "sim.intra_latency_us=5000",
                                        "sim.intra_bandwidth_gbs=1e6", "model.user_features=false",
                                        "sim.ranks_per_host=2", f"sim.cores_per_host={cores}",
-                                       f"sim.overlap_cpu_share={share}"])
+                                       f"sim.overlap_cpu_us={share}"])
 
     sampler = LengthSampler(config(2, 0.0))
 
@@ -135,8 +135,8 @@ def test_overlapped_exchanges_take_their_cpu_share_from_busy_cores():
         cfg = config(cores, share)
         return simulate_steps(cfg, variants(cfg)[0], 2, CostModel(), sampler).exposed_comm_ms
 
-    assert exposed(2, 0.4) - exposed(2, 0.0) == pytest.approx(0.4 * 15, abs=0.01)
-    assert exposed(4, 0.4) == pytest.approx(exposed(4, 0.0), abs=1e-9)
+    assert exposed(2, 2000) - exposed(2, 0) == pytest.approx(3 * 2, abs=0.01)
+    assert exposed(4, 2000) == pytest.approx(exposed(4, 0), abs=1e-9)
 
 
 def test_freescale_simulate_prints_and_writes_the_projection(tmp_path):
