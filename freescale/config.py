@@ -303,11 +303,17 @@ class SimConfig:
     step_overhead_ms: Annotated[float, Range(min=0.0)] = 0.0
     """Per-step compute outside the per-sample cost (dense optimizer, pipeline bookkeeping)."""
     compute_jitter: Annotated[float, Range(min=0.0)] = 0.0
-    """Relative standard deviation of a rank's step compute around the cost model's figure."""
+    """Relative standard deviation of a rank's step compute around the cost model's figure (normal draws)."""
+    jitter_steps: list[list[float]] = field(default_factory=list)
+    """Measured steps' errors of each rank's step compute around the cost model's figure, one list of the ranks' a
+    step, in units of the step's mean rank compute; where given, each simulated step takes one (its ranks in a random
+    order; more ranks take more steps' errors) instead of normal draws of ``compute_jitter``."""
     background_cpu_ms: Annotated[float, Range(min=0.0)] = 0.0
-    """Where cores are shared: CPU per step a rank's other threads (loader, collectives' threads) take beside its compute."""
+    """Where cores are shared: CPU per step a rank's other threads (loader, collectives' threads) take beside its compute
+    (a step record's ``process_cpu`` less its ``cpu``)."""
     overlap_cpu_us: Annotated[float, Range(min=0.0)] = 0.0
-    """Where cores are shared: CPU each overlapped collective's threads (gloo's, the proxy) take from the ranks' cores."""
+    """Where cores are shared: CPU each overlapped collective's threads (gloo's, the proxy) take from the ranks' cores,
+    on top of ``background_cpu_ms`` (0 where that was measured at the rank count projected: it includes them)."""
     collision_rate: Annotated[float, Probability] = 0.1
     """Share of a step's embedding rows the previous step writes (the prioritized pipeline exchanges them first, exposed)."""
     intra_bandwidth_gbs: Annotated[float, Range(min=1e-12)] = 450.0
@@ -318,6 +324,11 @@ class SimConfig:
     """GB/s per rank, one way, between hosts (default: one 400 Gb/s NIC per rank)."""
     inter_latency_us: Annotated[float, Range(min=0.0)] = 15.0
     """Start-up latency of one cross-host collective round."""
+    backend_intra_bandwidth_gbs: Annotated[float, Range(min=0.0)] = 0.0
+    """GB/s between ranks of a host of torch.distributed's backend, which carries the dense
+    all-reduce whatever the transport (0 = ``intra_bandwidth_gbs``)."""
+    backend_intra_latency_us: Annotated[float, Range(min=0.0)] = 0.0
+    """Start-up latency of one intra-host round of the backend's all-reduce (0 = ``intra_latency_us``)."""
     sm_contention: Annotated[float, Probability] = 0.1
     """Share of compute speed an SM-based collective (torch_dist on a GPU) takes while it overlaps compute; host_staged takes none."""
     failures_per_rank_hour: Annotated[float, Range(min=0.0)] = 2e-5

@@ -9,14 +9,20 @@ TorchRec's ``sparse_dist`` pipeline, ``torch_dist``):
 2. split it: contiguous slices (baseline) or ``balance.partition`` over the cost model's
    per-sample seconds (what the run-time balancer does);
 3. each rank's compute ``w = compute_scale * sum(cost) * (1 + jitter) + step_overhead``; the
-   jitter is what the cost model does not predict, so a balanced batch keeps a residual
-   straggler; on a CPU box (``sim.cores_per_host``) a host's ranks, their other threads'
-   ``background_cpu_ms`` and the threads that move their overlapped exchanges
-   (``overlap_cpu_us`` per collective) time-share its cores (processor sharing), so a rank's compute ends later than ``w`` while others still run;
+   jitter is what the cost model does not predict (a normal of ``compute_jitter``, or a
+   measured step's errors of its ranks, ``jitter_steps``, in units of the step's mean rank
+   compute), so a balanced batch keeps a residual straggler;
+   on a CPU box (``sim.cores_per_host``) a host's ranks and their other threads
+   (``background_cpu_ms`` a step, plus ``overlap_cpu_us`` per overlapped collective)
+   time-share its cores (processor sharing), so a rank's compute ends later than ``w`` while
+   others run;
 4. communication per step from the model's sizes (``comm_plan``): every exchange is an
    all-to-all or an all-reduce priced as latency + bytes / bandwidth over the intra-host and
-   the cross-host link; what the pipeline overlaps with compute is exposed only beyond the
-   compute it hides behind, the rest is exposed in full;
+   the cross-host link (the dense all-reduce never goes through the transport: it is priced
+   on the backend's intra-host link, ``sim.backend_intra_*``, where that is set); what the
+   pipeline overlaps with compute is exposed only beyond the compute it hides behind, the
+   rest is exposed in full, but for exchanges that run at the same time (the dense
+   all-reduce beside the gradients' exchange): the longer of them;
 5. the step ends when the slowest rank's compute and the exposed communication are over.
 
 The figures follow the profiler's definitions (``freescale.profile.bubbles``): a rank's own
@@ -88,6 +94,7 @@ class Exchange:
     fixed_bytes: float = 0.0
     overlapped: bool = False
     messages: int = 1
+    beside: str = ""  # runs at the same time as that (exposed) exchange: the longer of the two is exposed
 
 
 def dense_parameters(cfg: ExperimentConfig) -> int:
@@ -133,7 +140,10 @@ def comm_plan(cfg: ExperimentConfig, variant: Variant) -> list[Exchange]:
                           messages=1 + 2 * tables),
                  Exchange("rows", "all_to_all", bytes_per_token=row),
                  Exchange("grads", "all_to_all", bytes_per_token=row)]
-    return plan + user + [Exchange("dense all-reduce", "all_reduce", fixed_bytes=dense)]
+    # The dense all-reduce starts as the backward ends (DDP's one bucket, or DenseReduction)
+    # and runs beside the gradients' exchange, on the backend's own threads.
+    grads = "collision grads" if variant.pipeline == "prioritized" else "grads"
+    return plan + user + [Exchange("dense all-reduce", "all_reduce", fixed_bytes=dense, beside=grads)]
 
 
 class LengthSampler:
@@ -212,11 +222,18 @@ def all_to_all_s(bytes_per_rank: float, ranks: int, sim: SimConfig, messages: in
     return messages * _latency(ranks, sim) + max(intra, inter)
 
 
+def backend_link(sim: SimConfig) -> SimConfig:
+    """``sim`` with the intra-host link of torch.distributed's backend (``backend_intra_*``, where set)."""
+    return dataclasses.replace(sim, intra_bandwidth_gbs=sim.backend_intra_bandwidth_gbs or sim.intra_bandwidth_gbs,
+                               intra_latency_us=sim.backend_intra_latency_us or sim.intra_latency_us)
+
+
 def all_reduce_s(nbytes: float, ranks: int, sim: SimConfig) -> float:
-    """A hierarchical all-reduce: reduce-scatter and all-gather in the host, all-reduce of a
-    host's share across hosts."""
+    """A hierarchical all-reduce on the backend's link (``backend_link``): reduce-scatter and
+    all-gather in the host, all-reduce of a host's share across hosts."""
     if ranks <= 1:
         return 0.0
+    sim = backend_link(sim)
     g, hosts = _hosts(ranks, sim)
     intra = 2 * nbytes * (g - 1) / g / (sim.intra_bandwidth_gbs * 1e9)
     inter = 2 * (nbytes / g) * (hosts - 1) / hosts / (sim.inter_bandwidth_gbs * 1e9)
@@ -259,18 +276,24 @@ def step_timings(cfg: ExperimentConfig, variant: Variant, ranks: int, model: Cos
     plan = comm_plan(cfg, variant)
     g, hosts = _hosts(ranks, sim)
     overlapped_messages = sum(ex.messages for ex in plan if ex.overlapped)
+    jitter = [np.asarray(errors, dtype=np.float64) for errors in sim.jitter_steps if errors]
     for _ in range(steps):
         lengths, cands = sampler.draw(rng, batch * ranks)
         predicted = model.cost(lengths, cands)
         owner = np.empty(len(lengths), dtype=np.int64)
         for r, part in enumerate(split(predicted, ranks)):
             owner[part] = r
-        noise = 1.0 + sim.compute_jitter * rng.standard_normal(ranks)
-        w = np.maximum(sim.compute_scale * np.bincount(owner, predicted, ranks) * noise, 0.0)
+        cost = np.bincount(owner, predicted, ranks)
+        if jitter:  # measured steps' errors, in units of the step's mean rank compute
+            picked = np.concatenate([jitter[i] for i in rng.integers(0, len(jitter), -(-ranks // min(map(len, jitter))))])
+            cost = cost + cost.mean() * rng.permutation(picked)[:ranks]
+        else:
+            cost = cost * (1.0 + sim.compute_jitter * rng.standard_normal(ranks))
+        w = np.maximum(sim.compute_scale * cost, 0.0)
         w += sim.step_overhead_ms / 1e3
         tokens = np.bincount(owner, (lengths + cands).astype(np.float64), ranks)
         counts = np.bincount(owner, minlength=ranks).astype(np.float64)
-        exposed_comm = overlapped = 0.0
+        overlapped, exposed = 0.0, {}
         for ex in plan:
             nbytes = float(np.max(ex.bytes_per_token * tokens + ex.bytes_per_sample * counts)) + ex.fixed_bytes
             t = (all_to_all_s(nbytes, ranks, sim, ex.messages) if ex.kind == "all_to_all"
@@ -278,7 +301,9 @@ def step_timings(cfg: ExperimentConfig, variant: Variant, ranks: int, model: Cos
             if ex.overlapped:
                 overlapped += t
             else:
-                exposed_comm += t
+                key = ex.beside or ex.name
+                exposed[key] = max(exposed.get(key, 0.0), t)
+        exposed_comm = sum(exposed.values())
         if variant.transport == "torch_dist" and sim.cores_per_host == 0:
             w_wall = w + sim.sm_contention * np.minimum(overlapped, w)  # SM-based copies slow the kernels they overlap
         else:

@@ -1,6 +1,7 @@
 """The simulator: its pieces against references, its figures against the profiler's own
 arithmetic, and `freescale simulate` end to end."""
 
+import dataclasses
 import json
 import math
 
@@ -51,6 +52,11 @@ def test_collective_prices_follow_latency_plus_bytes_over_bandwidth():
     assert all_to_all_s(1e9, 16, sim, messages=2) == pytest.approx(2 * (3 * 10e-6 + 20e-6) + 0.5e9 / 10e9)
     # Ring inside the host, a host's eighth across hosts.
     assert all_reduce_s(8e8, 16, sim) == pytest.approx(2 * 50e-6 + 2 * 8e8 * 7 / 8 / 100e9 + 2 * 1e8 / 2 / 10e9)
+    # The dense all-reduce rides torch.distributed's backend, not the transport: its own
+    # intra-host link where one is given; the all-to-alls keep the transport's.
+    backend = dataclasses.replace(sim, backend_intra_bandwidth_gbs=25, backend_intra_latency_us=40)
+    assert all_reduce_s(8e8, 16, backend) == pytest.approx(2 * (3 * 40e-6 + 20e-6) + 2 * 8e8 * 7 / 8 / 25e9 + 2 * 1e8 / 2 / 10e9)
+    assert all_to_all_s(1e9, 2, backend) == all_to_all_s(1e9, 2, sim)
 
 
 def test_effective_training_time_of_both_recoveries():
@@ -95,6 +101,29 @@ def test_the_balancer_cuts_the_straggler_and_shared_cores_show_as_exposed_time(c
     assert baseline.exposed_comm_ms > 0.5 * (baseline.step_ms - baseline.straggler_pct / 100 * baseline.step_ms) / 2
 
 
+def test_measured_jitter_steps_are_what_the_ranks_draw():
+    # Balanced splits, free exchanges: a step is its slower rank's compute, the faster waits
+    # their difference d (a straggler bubble of d / 2 a rank). A step of zero errors is no
+    # jitter at all, whatever compute_jitter says; +50% on every rank adds half the mean rank
+    # compute m to the step. Steps of one rank's error, {0} and {+50%}, are drawn for each rank
+    # apart: the draws differ half the time, and then the difference is m / 2 (about: d is
+    # small): d / 4 + m / 8 a rank and step on average. A step of two ranks' errors keeps
+    # them together: one rank or the other is m / 2 late in every step, m / 4 on average.
+    def figures(steps):
+        cfg = load_config(FREESCALE, ["sim.compute_jitter=0.3", "model.user_features=false", "sim.intra_latency_us=0",
+                                      "sim.intra_bandwidth_gbs=1e9", f"sim.jitter_steps={steps}"])
+        f = simulate_steps(cfg, variants(cfg)[1], 2, CostModel(), LengthSampler(cfg), steps=400)
+        return f, f.straggler_pct / 100 * f.step_ms  # the figures, the straggler bubble (ms)
+
+    (exact, split), (zero, _) = figures("[[0, 0]]"), figures("[[0]]")
+    assert zero.step_ms == pytest.approx(exact.step_ms, rel=0.02)  # (other batches: other random numbers)
+    assert zero.straggler_pct == pytest.approx(exact.straggler_pct, abs=1.0)  # normal draws of 0.3: about 17
+    m = exact.step_ms - split
+    assert figures("[[0.5, 0.5]]")[0].step_ms == pytest.approx(exact.step_ms + m / 2, rel=0.02)
+    assert figures("[[0], [0.5]]")[1] == pytest.approx(split / 2 + m / 8, rel=0.15)
+    assert figures("[[0.5, 0]]")[1] == pytest.approx(m / 4, rel=0.15)
+
+
 def test_prioritized_exchanges_expose_only_the_collision_rows():
     cfg = load_config(FREESCALE, ["sim.steps=4", "sim.inter_bandwidth_gbs=0.5", "sim.compute_jitter=0"])
     sampler, model = LengthSampler(cfg), CostModel()
@@ -108,14 +137,14 @@ def test_prioritized_exchanges_expose_only_the_collision_rows():
 
 def test_overlapped_exchanges_longer_than_the_compute_are_exposed():
     # 2 ranks, 5 ms latency a collective, almost no compute: the baseline's input dist (3
-    # all-to-alls, overlapped) cannot hide behind 1 ms of compute; the rows, the gradients and
-    # the dense all-reduce (2 rounds) are exposed in full.
+    # all-to-alls, overlapped) cannot hide behind 1 ms of compute; the rows are exposed in
+    # full, and the dense all-reduce (2 rounds) beside the gradients' exchange (one): the longer.
     cfg = load_config(FREESCALE, ["sim.steps=3", "sim.compute_scale=1e-12", "sim.step_overhead_ms=1",
                                   "sim.compute_jitter=0", "sim.intra_latency_us=5000", "sim.intra_bandwidth_gbs=1e6",
                                   "model.user_features=false"])
     base, _ = variants(cfg)
     figures = simulate_steps(cfg, base, 2, CostModel(), LengthSampler(cfg))
-    assert figures.exposed_comm_ms == pytest.approx((3 * 5 - 1) + 2 * 5 + 2 * 5, abs=0.01)
+    assert figures.exposed_comm_ms == pytest.approx((3 * 5 - 1) + 5 + max(2 * 5, 5), abs=0.01)
 
 
 def test_overlapped_exchanges_take_their_cpu_share_from_busy_cores():
