@@ -6,16 +6,25 @@ at 2 and 4 ranks), or against a bench_e2e JSON given with ``--measured FILE``.
 The machine's parameters are measured apart from the runs they are checked against:
 
 1. the cost model: ``freescale calibrate`` of the shipped model (forward + backward per sample);
-2. per-step overhead and jitter: a one-rank run of configs/baseline_torchrec.yaml, one thread;
-   its batches are regenerated from the data stream (their token counts checked against the
-   profile), and each step's compute is compared with the cost model's sum over its samples:
-   overhead = mean difference, jitter = their spread relative to the step's compute; the
-   rank's other threads' CPU per step is its records' ``process_cpu`` less ``cpu``;
+2. per experiment and rank count, a calibration run with a seed of its own (other samples
+   than the reference runs') and the ledger on: each rank's step compute against the cost
+   model's sum over the samples it trained (regenerated from the data stream, token counts
+   checked against the profile), fitted over the rank-steps as ``compute_scale`` x the cost
+   model + ``step_overhead_ms`` (the training step's per-sample speed against the
+   calibration's, and the pipeline's and exchanges' fixed work on the main thread); each
+   rank's lateness against the step's other ranks that the fit does not predict (its
+   compute and its start: a rank that waited for a core starts late) as ``jitter_steps``;
+   the step records' ``process_cpu`` less ``cpu`` as the CPU the rank's other threads take
+   per step (the loader's, gloo's and the proxy's), which competes with the ranks' compute
+   for the cores (``background_cpu_ms``);
 3. communication, per transport (gloo's ``torch_dist``, ``host_staged``) on 2 and 4
-   processes: a small all-to-all for the latency, a large one for the bandwidth, and how much
-   a fixed compute slows down beside overlapped all-to-alls (the CPU their threads take from
-   the ranks' cores, per collective: ``sim.overlap_cpu_us``);
+   processes: a small all-to-all for the latency, a large one for the bandwidth (the dense
+   all-reduce runs on gloo whatever the transport: ``sim.backend_intra_*``);
 4. the host: this machine's cores, time-shared by its ranks (``sim.cores_per_host``).
+
+The simulator then composes them: the split of each global batch, the slowest rank, the
+exchanges the pipeline exposes, and the sharing of the cores. What it is checked on is that
+composition (straggler % and exposed communication), not the parameters themselves.
 
 A figure passes when the simulated value is within 25% (relative) of the measured mean.
 
@@ -43,6 +52,7 @@ from freescale.config import load_config  # noqa: E402
 from freescale.data.loader import build_sources  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
 from freescale.profile.bubbles import decompose  # noqa: E402
+from freescale.train.ledger import read_ledger  # noqa: E402
 from freescale.sim.simulator import LengthSampler, simulate_steps, variants  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
@@ -65,49 +75,64 @@ def measure_cost_model(out: str) -> None:
     run([sys.executable, "-m", "freescale", "calibrate", "--config", BASELINE, "--out", out, "--repeats", "3"])
 
 
-def one_rank(run_dir: str, steps: int, warmup: int) -> None:
-    run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", "-m", "freescale",
-         "train", "--config", BASELINE, f"--train.steps={steps}", "--run.threads=1", f"--run.dir={run_dir}",
-         "--train.eval_every=0", "--checkpoint.every=0", "--profile.enable=true", f"--profile.warmup_steps={warmup}"])
+CALIBRATION_SEED = 1000
+"""The calibration runs' seed: the reference runs use 0, 1, 2 (their repetitions)."""
 
 
-def measure_overhead(cost_model_path: str, work: str, steps: int = 30, warmup: int = 5) -> dict:
-    """Per-step compute outside the cost model, its jitter, and the CPU the rank's other threads
-    take per step (the loader's and the like: each step record's ``process_cpu`` less its main
-    thread's ``cpu``), from a one-rank run."""
-    run_dir = os.path.join(work, "one_rank")
-    one_rank(run_dir, steps, warmup)
-    cfg = load_config(BASELINE, [])
+def measure_rank_costs(experiment: str, ranks: int, cost_model_path: str, work: str, steps: int = 85,
+                       warmup: int = 5) -> dict:
+    """One calibration run of ``experiment`` on ``ranks`` ranks, with the ledger on: each rank's
+    step compute against the cost model's sum over the samples it trained (the ledger's ids,
+    regenerated from the data stream) gives the per-step compute beyond the cost model
+    (``step_overhead_ms``) and each rank's lateness against the step's other ranks that the
+    cost model does not predict (``jitter_steps``; their spread, ``compute_jitter``); the
+    step records' ``process_cpu`` less ``cpu`` the other threads' CPU (``background_cpu_ms``)."""
+    run_dir = os.path.join(work, f"calibrate-{experiment}-{ranks}")
+    overrides = [*bench_e2e.common_overrides(steps, warmup), f"--run.seed={CALIBRATION_SEED}", "--train.ledger=true"]
+    print(f"[calibrate] {experiment} on {ranks} rank(s)", flush=True)
+    bench_e2e.run_once(experiment, str(ranks), run_dir, overrides)
+    cfg = load_config(bench_e2e.EXPERIMENTS[experiment], [o.removeprefix("--") for o in overrides])
     source, _ = build_sources(cfg.data, cfg.run.seed)
     model = load_cost_model(cost_model_path)
-    with open(os.path.join(run_dir, "profile", "rank0.jsonl")) as f:
-        records = [r for r in map(json.loads, f) if "step" in r]
-    B = cfg.data.batch_size
-    background = float(np.mean([r["process_cpu"] - r["cpu"] for r in records if r["step"] > warmup]))
-    predicted, compute = [], []
-    for s in decompose({0: records}):
-        if s.step <= warmup:
-            continue
-        batch = source.samples_at(np.arange((s.step - 1) * B, s.step * B))
-        if int(batch.uih_lengths.sum()) != s.uih_tokens:
-            sys.exit(f"step {s.step}: regenerated batch has {batch.uih_lengths.sum()} tokens, the run {s.uih_tokens}")
-        predicted.append(float(model.cost(batch.uih_lengths, batch.cand_counts).sum()))
+    records = {}
+    for r in range(ranks):
+        with open(os.path.join(run_dir, "profile", f"rank{r}.jsonl")) as f:
+            records[r] = [x for x in map(json.loads, f) if "step" in x and x["step"] > warmup]
+    trained = {(x["step"], x["rank"]): x["sample_ids"] for x in read_ledger(run_dir)}
+    background = float(np.mean([x["process_cpu"] - x["cpu"] for recs in records.values() for x in recs]))
+    predicted, compute, late = [], [], []
+    steps: dict[int, list[int]] = {}
+    for s in decompose(records):
+        samples = source.samples_at(np.sort(np.asarray(trained[(s.step, s.rank)], dtype=np.int64)))
+        if int(samples.uih_lengths.sum()) != s.uih_tokens:
+            sys.exit(f"step {s.step} rank {s.rank}: the ledger's samples have {samples.uih_lengths.sum()} tokens, "
+                     f"the profile {s.uih_tokens}")
+        steps.setdefault(s.step, []).append(len(compute))
+        predicted.append(float(model.cost(samples.uih_lengths, samples.cand_counts).sum()))
         compute.append(s.C)
-    predicted, compute = np.array(predicted), np.array(compute)
-    overhead = float(np.mean(compute - predicted))
-    jitter = float(np.std(compute - predicted - overhead) / np.mean(compute))
-    return {"step_overhead_ms": 1e3 * overhead, "compute_jitter": jitter, "background_cpu_ms": 1e3 * background,
-            "steps": len(compute),
-            "compute_ms": 1e3 * float(compute.mean()), "cost_model_ms": 1e3 * float(predicted.mean())}
+        late.append(s.start + s.D + s.C)  # where the profiler puts the end of the rank's compute
+    predicted, compute, late = np.array(predicted), np.array(compute), np.array(late)
+    # compute = scale x the cost model + overhead, least squares over the rank-steps: the
+    # training step's per-sample speed against the calibration's, and its fixed work.
+    scale, overhead = (float(x) for x in np.polyfit(predicted, compute, 1))
+    predicted = scale * predicted
+    # What the cost model does not predict of each rank's lateness against the step's other
+    # ranks: its compute and its start (a rank that waited for a core starts late), less the
+    # step's mean (what every rank shares, a logging step, is no straggler), in units of the
+    # step's mean rank compute; a step's ranks together, as the simulator draws them (one
+    # rank's rare long delay stays one rank's).
+    errors = []
+    for rows in steps.values():
+        e = late[rows] - predicted[rows]
+        errors.append([round(float(x), 5) for x in (e - e.mean()) / predicted[rows].mean()])
+    return {"ranks": ranks, "rank_steps": len(compute), "compute_scale": scale, "step_overhead_ms": 1e3 * overhead,
+            "compute_jitter": float(np.std(errors)), "jitter_steps": errors,
+            "background_cpu_ms": 1e3 * background, "compute_ms": 1e3 * float(compute.mean()),
+            "cost_model_ms": 1e3 * float(predicted.mean()) / scale}
 
-
-OVERLAP_BYTES, OVERLAP_MESSAGES = 64 << 10, 4
-"""Exchanges overlapped with compute in the overlap measurement: the size of a step's
-overlapped id and row exchanges here, and how many a step has."""
 
 _COMM_WORKER = r"""
-import sys, time, torch, torch.distributed as dist
-OVERLAP_BYTES, OVERLAP_MESSAGES, WORK = OVERLAP_ARGS
+import os, sys, time, torch, torch.distributed as dist
 rank, world, path, out, busy, kind, repo = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
                                             float(sys.argv[5]), sys.argv[6], sys.argv[7])
 sys.path.insert(0, repo)
@@ -118,7 +143,7 @@ dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_s
 transport = build_transport(load_config(f"{repo}/configs/freescale.yaml", [f"transport.kind={kind}"]).transport)
 a = torch.randn(256, 256)
 res = {}
-for nbytes, messages in ((1024, 8), (OVERLAP_BYTES, OVERLAP_MESSAGES), (4 << 20, 1)):
+for nbytes, messages in ((1024, 8), (4 << 20, 1)):
     x = torch.zeros(nbytes // 4 // world * world)
     exposed = []
     for i in range(45):
@@ -134,26 +159,10 @@ for nbytes, messages in ((1024, 8), (OVERLAP_BYTES, OVERLAP_MESSAGES), (4 << 20,
         exposed.append((done - max(ends)) / messages)  # past the last rank's compute: the exchanges' own time
     kept = sorted(exposed[5:])[2:-2]  # a trimmed mean: the odd descheduled iteration aside
     res[nbytes] = sum(kept) / len(kept)
-# Overlap: the same fixed compute alone, and with exchanges launched before it and waited
-# after it (as the pipelines overlap them); the compute's slowdown is the CPU they took.
-x = torch.zeros(OVERLAP_BYTES // 4 // world * world)
-splits = [x.numel() // world] * world
-alone, beside = [], []
-for i in range(60):
-    dist.barrier()
-    handles = [transport.all_to_all_single(x, splits, splits) for _ in range(OVERLAP_MESSAGES)] if i % 2 else []
-    t0 = time.perf_counter()
-    for _ in range(WORK):
-        a = (a @ a).clamp_(-1, 1)
-    (beside if i % 2 else alone).append(time.perf_counter() - t0)
-    for h in handles:
-        h.wait()
-trim = lambda v: sorted(v[3:])[2:-2]
-res["slowdown"] = (sum(trim(beside)) / len(trim(beside)) - sum(trim(alone)) / len(trim(alone))) / OVERLAP_MESSAGES
 if rank == 0:
     open(out, "w").write(repr(res))
-transport.close()
-dist.destroy_process_group()
+dist.barrier()  # every rank is done exchanging; the figures are written
+os._exit(0)  # no teardown: the measurement needs none, and gloo's can abort a process at exit
 """
 
 
@@ -161,8 +170,7 @@ def measure_comm(world: int, work: str, kind: str, busy_s: float = 0.03) -> dict
     """All-to-all latency and bandwidth of transport ``kind`` on ``world`` processes of this
     machine, each round of exchanges after ``busy_s`` of compute, as in a training step."""
     store, out = os.path.join(work, f"store-{kind}-{world}"), os.path.join(work, f"comm-{kind}-{world}.txt")
-    worker = _COMM_WORKER.replace("OVERLAP_ARGS", f"{OVERLAP_BYTES}, {OVERLAP_MESSAGES}, 150")
-    procs = [subprocess.Popen([sys.executable, "-c", worker, str(r), str(world), store, out, str(busy_s), kind,
+    procs = [subprocess.Popen([sys.executable, "-c", _COMM_WORKER, str(r), str(world), store, out, str(busy_s), kind,
                                REPO]) for r in range(world)]
     if any(p.wait(timeout=300) for p in procs):
         sys.exit(f"the {kind} all-to-all measurement on {world} processes failed")
@@ -172,8 +180,7 @@ def measure_comm(world: int, work: str, kind: str, busy_s: float = 0.03) -> dict
     rounds = max(1, math.ceil(math.log2(world)))
     moved = (4 << 20) * (world - 1) / world
     return {"latency_us": 1e6 * small / rounds, "bandwidth_gbs": moved / max(big - small, 1e-9) / 1e9,
-            "small_ms": 1e3 * small, "big_ms": 1e3 * big, "overlap_ms": 1e3 * res[OVERLAP_BYTES],
-            "overlap_cpu_us": max(1e6 * res["slowdown"], 0.0)}
+            "small_ms": 1e3 * small, "big_ms": 1e3 * big}
 
 
 def measured_rows(path: str) -> dict:
@@ -214,14 +221,18 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as work:
         cost_path = os.path.join(work, "cost_model.json")
         measure_cost_model(cost_path)
-        machine = measure_overhead(cost_path, work)
+        machine = {e: {R: measure_rank_costs(e, R, cost_path, work) for R in args.ranks}
+                   for e in bench_e2e.EXPERIMENTS}
         comm = {(R, kind): measure_comm(R, work, kind) for R in args.ranks for kind in ("torch_dist", "host_staged")}
         model = load_cost_model(cost_path)
         if args.measured:
             measured = measured_rows(args.measured)
         else:
             measured = measure_reference(args.ranks, args.repeats, args.train_steps, args.warmup, work)
-    print(f"machine: {json.dumps(machine)}", flush=True)
+    for e, by_ranks in machine.items():
+        for R, v in by_ranks.items():
+            print(f"machine {e} {R} rank(s): {json.dumps({k: x for k, x in v.items() if k != 'jitter_steps'})}",
+                  flush=True)
     for (R, kind), v in comm.items():
         print(f"comm {kind} {R} ranks: {json.dumps(v)}", flush=True)
 
@@ -230,16 +241,23 @@ def main() -> None:
         stats = measured.get(R)
         if stats is None:
             sys.exit(f"{args.measured}: no synthetic row for {R} ranks")
-        overrides = [f"sim.ranks_per_host={R}", f"sim.cores_per_host={args.cores}",
-                     f"sim.step_overhead_ms={machine['step_overhead_ms']}",
-                     f"sim.compute_jitter={machine['compute_jitter']}",
-                     f"sim.background_cpu_ms={machine['background_cpu_ms']}"]
-        sampler = LengthSampler(load_config(FREESCALE, overrides))
-        for v in variants(load_config(FREESCALE, overrides)):
+        base = [f"sim.ranks_per_host={R}", f"sim.cores_per_host={args.cores}", "sim.overlap_cpu_us=0"]
+        sampler = LengthSampler(load_config(FREESCALE, base))
+        backend = comm[(R, "torch_dist")]  # gloo: the dense all-reduce's link in both experiments
+        for v in variants(load_config(FREESCALE, base)):
             link = comm[(R, v.transport)]  # each experiment's own transport
-            cfg = load_config(FREESCALE, [*overrides, f"sim.intra_latency_us={link['latency_us']}",
+            own = machine[v.name]
+            # The other threads' CPU measured on R ranks covers the overlapped exchanges' threads
+            # too, so no per-collective share (sim.overlap_cpu_us) is added to it.
+            cfg = load_config(FREESCALE, [*base, f"sim.compute_scale={own[R]['compute_scale']}",
+                                          f"sim.step_overhead_ms={own[R]['step_overhead_ms']}",
+                                          f"sim.compute_jitter={own[R]['compute_jitter']}",
+                                          f"sim.jitter_steps={json.dumps(own[R]['jitter_steps'])}",
+                                          f"sim.background_cpu_ms={own[R]['background_cpu_ms']}",
+                                          f"sim.intra_latency_us={link['latency_us']}",
                                           f"sim.intra_bandwidth_gbs={link['bandwidth_gbs']}",
-                                          f"sim.overlap_cpu_us={link['overlap_cpu_us']}"])
+                                          f"sim.backend_intra_latency_us={backend['latency_us']}",
+                                          f"sim.backend_intra_bandwidth_gbs={backend['bandwidth_gbs']}"])
             sim = simulate_steps(cfg, v, R, model, sampler, seed=cfg.run.seed, steps=args.steps)
             for metric in METRICS:
                 m = stats[v.name][metric]
@@ -256,7 +274,8 @@ def main() -> None:
               f"{r['measured']:>8.2f} ({r['measured_min']:.2f}-{r['measured_max']:.2f}) {100 * r['relative_error']:>6.1f}% "
               f"{'ok' if r['within'] else 'OUTSIDE'}")
     print(f"\nall within {100 * WITHIN:.0f}%: {all_pass}")
-    write_json_atomic(args.out, {"within": WITHIN, "all_within": all_pass, "machine": machine,
+    write_json_atomic(args.out, {"within": WITHIN, "all_within": all_pass,
+                                 "machine": {e: {str(R): v for R, v in rs.items()} for e, rs in machine.items()},
                                  "comm": {f"{kind} {R} ranks": v for (R, kind), v in comm.items()}, "cores_per_host": args.cores,
                                  "measured_from": os.path.relpath(args.measured, REPO) if args.measured else
                                  f"this job: {args.repeats} runs per experiment, {args.train_steps} steps, "
