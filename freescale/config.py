@@ -300,6 +300,9 @@ class SimConfig:
     """0 = every rank has its own accelerator; N = a host's ranks time-share N CPU cores (a CPU box)."""
     compute_scale: Annotated[float, Range(min=1e-12)] = 1.0
     """Multiplies the cost model's seconds (the target device's speed against the calibration machine's)."""
+    imbalance_share: Annotated[float, Range(min=0.0)] = 1.0
+    """Share of the cost model's difference between a step's ranks that their compute shows (below 1 where a balanced
+    split keeps mostly differences the model mispredicts; scripts/validate_sim.py measures it)."""
     step_overhead_ms: Annotated[float, Range(min=0.0)] = 0.0
     """Per-step compute outside the per-sample cost (dense optimizer, pipeline bookkeeping)."""
     compute_jitter: Annotated[float, Range(min=0.0)] = 0.0

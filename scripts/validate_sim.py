@@ -11,9 +11,12 @@ The machine's parameters are measured apart from the runs they are checked again
    model's sum over the samples it trained (regenerated from the data stream, token counts
    checked against the profile), fitted over the rank-steps as ``compute_scale`` x the cost
    model + ``step_overhead_ms`` (the training step's per-sample speed against the
-   calibration's, and the pipeline's and exchanges' fixed work on the main thread); each
-   rank's lateness against the step's other ranks that the fit does not predict (its
-   compute and its start: a rank that waited for a core starts late) as ``jitter_steps``;
+   calibration's, and the pipeline's and exchanges' fixed work on the main thread); within
+   each step, the share of the model's difference between the ranks that shows in how late
+   each one's compute ends (``imbalance_share``: below 1 where the balancer has evened out
+   what the model predicts, leaving what it mispredicts), and each rank's lateness that
+   this leaves unpredicted (its compute and its start: a rank that waited for a core starts
+   late) as ``jitter_steps``;
    the step records' ``process_cpu`` less ``cpu`` as the CPU the rank's other threads take
    per step (the loader's, gloo's and the proxy's), which competes with the ranks' compute
    for the cores (``background_cpu_ms``);
@@ -115,20 +118,24 @@ def measure_rank_costs(experiment: str, ranks: int, cost_model_path: str, work: 
     # compute = scale x the cost model + overhead, least squares over the rank-steps: the
     # training step's per-sample speed against the calibration's, and its fixed work.
     scale, overhead = (float(x) for x in np.polyfit(predicted, compute, 1))
-    predicted = scale * predicted
-    # What the cost model does not predict of each rank's lateness against the step's other
-    # ranks: its compute and its start (a rank that waited for a core starts late), less the
-    # step's mean (what every rank shares, a logging step, is no straggler), in units of the
-    # step's mean rank compute; a step's ranks together, as the simulator draws them (one
-    # rank's rare long delay stays one rank's).
+    # Within a step: how much of the cost model's difference between the ranks shows in how
+    # late each one's compute ends (the slope of the ranks' lateness on their predicted cost,
+    # both less the step's mean). A balanced split keeps differences the model mispredicts,
+    # so there it shows less than ``scale`` says.
+    dev_cost = np.concatenate([predicted[rows] - predicted[rows].mean() for rows in steps.values()])
+    dev_late = np.concatenate([late[rows] - late[rows].mean() for rows in steps.values()])
+    slope = float(dev_cost @ dev_late / (dev_cost @ dev_cost)) if dev_cost.any() else scale
+    # What that leaves unpredicted of each rank's lateness (its compute and its start: a rank
+    # that waited for a core starts late), in units of the step's mean rank compute; a step's
+    # ranks together, as the simulator draws them (one rank's rare long delay stays one rank's).
     errors = []
     for rows in steps.values():
-        e = late[rows] - predicted[rows]
-        errors.append([round(float(x), 5) for x in (e - e.mean()) / predicted[rows].mean()])
+        e = (late[rows] - late[rows].mean()) - slope * (predicted[rows] - predicted[rows].mean())
+        errors.append([round(float(x), 5) for x in e / (scale * predicted[rows].mean())])
     return {"ranks": ranks, "rank_steps": len(compute), "compute_scale": scale, "step_overhead_ms": 1e3 * overhead,
-            "compute_jitter": float(np.std(errors)), "jitter_steps": errors,
+            "imbalance_share": max(slope / scale, 0.0), "compute_jitter": float(np.std(errors)), "jitter_steps": errors,
             "background_cpu_ms": 1e3 * background, "compute_ms": 1e3 * float(compute.mean()),
-            "cost_model_ms": 1e3 * float(predicted.mean()) / scale}
+            "cost_model_ms": 1e3 * float(predicted.mean())}
 
 
 _COMM_WORKER = r"""
@@ -251,6 +258,7 @@ def main() -> None:
             # too, so no per-collective share (sim.overlap_cpu_us) is added to it.
             cfg = load_config(FREESCALE, [*base, f"sim.compute_scale={own[R]['compute_scale']}",
                                           f"sim.step_overhead_ms={own[R]['step_overhead_ms']}",
+                                          f"sim.imbalance_share={own[R]['imbalance_share']}",
                                           f"sim.compute_jitter={own[R]['compute_jitter']}",
                                           f"sim.jitter_steps={json.dumps(own[R]['jitter_steps'])}",
                                           f"sim.background_cpu_ms={own[R]['background_cpu_ms']}",
@@ -258,7 +266,10 @@ def main() -> None:
                                           f"sim.intra_bandwidth_gbs={link['bandwidth_gbs']}",
                                           f"sim.backend_intra_latency_us={backend['latency_us']}",
                                           f"sim.backend_intra_bandwidth_gbs={backend['bandwidth_gbs']}"])
-            sim = simulate_steps(cfg, v, R, model, sampler, seed=cfg.run.seed, steps=args.steps)
+            # The balancer splits by the cost model its runs use (the experiment's
+            # balance.cost_model); the calibrated model prices the samples.
+            sim = simulate_steps(cfg, v, R, model, sampler, seed=cfg.run.seed, steps=args.steps,
+                                 split_model=load_cost_model(cfg.balance.cost_model))
             for metric in METRICS:
                 m = stats[v.name][metric]
                 s = getattr(sim, metric)

@@ -8,7 +8,8 @@ TorchRec's ``sparse_dist`` pipeline, ``torch_dist``):
    distribution (the synthetic generator, or the samples of a data file);
 2. split it: contiguous slices (baseline) or ``balance.partition`` over the cost model's
    per-sample seconds (what the run-time balancer does);
-3. each rank's compute ``w = compute_scale * sum(cost) * (1 + jitter) + step_overhead``; the
+3. each rank's compute ``w = compute_scale * sum(cost) * (1 + jitter) + step_overhead``, its
+   cost's difference from the ranks' mean counted at ``imbalance_share``; the
    jitter is what the cost model does not predict (a normal of ``compute_jitter``, or a
    measured step's errors of its ranks, ``jitter_steps``, in units of the step's mean rank
    compute), so a balanced batch keeps a residual straggler;
@@ -266,8 +267,12 @@ class StepFigures:
 
 
 def step_timings(cfg: ExperimentConfig, variant: Variant, ranks: int, model: CostModel, sampler: LengthSampler,
-                 seed: int = 0, steps: int | None = None):
-    """Per simulated step: its time ``T`` (s) and every rank's own compute ``w`` (s, [ranks])."""
+                 seed: int = 0, steps: int | None = None, split_model: CostModel | None = None):
+    """Per simulated step: its time ``T`` (s) and every rank's own compute ``w`` (s, [ranks]).
+
+    ``model`` prices the samples; the balancer splits them by ``split_model`` (the cost model
+    its run uses; default ``model``), so a balancer whose model is off leaves what it mispredicts.
+    """
     sim = cfg.sim
     rng = np.random.default_rng([seed, ranks])
     batch = cfg.data.batch_size
@@ -281,9 +286,11 @@ def step_timings(cfg: ExperimentConfig, variant: Variant, ranks: int, model: Cos
         lengths, cands = sampler.draw(rng, batch * ranks)
         predicted = model.cost(lengths, cands)
         owner = np.empty(len(lengths), dtype=np.int64)
-        for r, part in enumerate(split(predicted, ranks)):
+        by = predicted if split_model is None else split_model.cost(lengths, cands)
+        for r, part in enumerate(split(by, ranks)):
             owner[part] = r
         cost = np.bincount(owner, predicted, ranks)
+        cost = cost.mean() + sim.imbalance_share * (cost - cost.mean())
         if jitter:  # measured steps' errors, in units of the step's mean rank compute
             picked = np.concatenate([jitter[i] for i in rng.integers(0, len(jitter), -(-ranks // min(map(len, jitter))))])
             cost = cost + cost.mean() * rng.permutation(picked)[:ranks]
@@ -317,10 +324,11 @@ def step_timings(cfg: ExperimentConfig, variant: Variant, ranks: int, model: Cos
 
 
 def simulate_steps(cfg: ExperimentConfig, variant: Variant, ranks: int, model: CostModel,
-                   sampler: LengthSampler, seed: int = 0, steps: int | None = None) -> StepFigures:
+                   sampler: LengthSampler, seed: int = 0, steps: int | None = None,
+                   split_model: CostModel | None = None) -> StepFigures:
     """Means over ``steps`` simulated global batches of ``variant`` on ``ranks`` ranks."""
     T_all, bubble, straggler, exposed, imbalance = [], [], [], [], []
-    for T, w in step_timings(cfg, variant, ranks, model, sampler, seed, steps):
+    for T, w in step_timings(cfg, variant, ranks, model, sampler, seed, steps, split_model):
         T_all.append(T)
         bubble.append(float(np.mean((T - w) / T)))
         straggler.append(float(np.mean(np.max(w) - w)))

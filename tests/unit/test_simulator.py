@@ -124,6 +124,23 @@ def test_measured_jitter_steps_are_what_the_ranks_draw():
     assert figures("[[0.5, 0]]")[1] == pytest.approx(m / 4, rel=0.15)
 
 
+def test_the_imbalance_share_and_the_balancers_own_model_set_the_split_straggler():
+    # No jitter: a rank's straggler bubble is compute_scale x its cost's shortfall from the
+    # most loaded rank's, of which the compute shows imbalance_share; a balancer splitting by
+    # a model that sees every sample alike balances counts only, and keeps the length skew.
+    def bubble(extra, variant, split_model=None):
+        cfg = load_config(FREESCALE, ["sim.compute_jitter=0", "sim.steps=50", *extra])
+        f = simulate_steps(cfg, variants(cfg)[variant], 4, CostModel(), LengthSampler(cfg), split_model=split_model)
+        return f.straggler_pct / 100 * f.step_ms
+
+    full = bubble([], 0)
+    assert full > 0
+    assert bubble(["sim.imbalance_share=0.5"], 0) == pytest.approx(full / 2, rel=1e-9)
+    assert bubble(["sim.imbalance_share=0"], 0) == 0.0
+    by_counts = bubble([], 1, split_model=CostModel(a=0.0, b=0.0, c=0.0, d=1.0))
+    assert by_counts > 3 * bubble([], 1)
+
+
 def test_prioritized_exchanges_expose_only_the_collision_rows():
     cfg = load_config(FREESCALE, ["sim.steps=4", "sim.inter_bandwidth_gbs=0.5", "sim.compute_jitter=0"])
     sampler, model = LengthSampler(cfg), CostModel()
