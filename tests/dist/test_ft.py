@@ -107,7 +107,9 @@ def test_a_killed_group_of_two_ranks_catches_up_and_finishes(tmp_path, pipeline,
     failures = summary["groups"][1]["failures"]
     assert [f["cause"] for f in failures] == ["killed"]
     before = [c for c in commits(run, 1) if c["time"] < failures[0]["down_at"] and c["trained"]]
-    assert len(before) == 10  # killed once 10 batches of its own shard were trained
+    # Killed once 10 batches of its own shard were trained: the launcher polls the group's
+    # cursor every 50 ms, so on a busy machine a step or two more may commit before the kill.
+    assert 10 <= len(before) <= 12, len(before)
     assert_kept_committing(run, summary, down=1)
     assert_exactly_once(summary, 600)
     assert_groups_agree(run, 2, tmp_path)
