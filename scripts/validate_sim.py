@@ -86,10 +86,10 @@ def measure_rank_costs(experiment: str, ranks: int, cost_model_path: str, work: 
                        warmup: int = 5) -> dict:
     """One calibration run of ``experiment`` on ``ranks`` ranks, with the ledger on: each rank's
     step compute against the cost model's sum over the samples it trained (the ledger's ids,
-    regenerated from the data stream) gives the per-step compute beyond the cost model
-    (``step_overhead_ms``) and each rank's lateness against the step's other ranks that the
-    cost model does not predict (``jitter_steps``; their spread, ``compute_jitter``); the
-    step records' ``process_cpu`` less ``cpu`` the other threads' CPU (``background_cpu_ms``)."""
+    regenerated from the data stream) gives ``compute_scale`` and ``step_overhead_ms`` (the
+    fit over the rank-steps), ``imbalance_share`` (within steps) and each rank's lateness that
+    leaves unpredicted (``jitter_steps``; their spread, ``compute_jitter``); the step records'
+    ``process_cpu`` less ``cpu`` the other threads' CPU (``background_cpu_ms``)."""
     run_dir = os.path.join(work, f"calibrate-{experiment}-{ranks}")
     overrides = [*bench_e2e.common_overrides(steps, warmup), f"--run.seed={CALIBRATION_SEED}", "--train.ledger=true"]
     print(f"[calibrate] {experiment} on {ranks} rank(s)", flush=True)
