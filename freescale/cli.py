@@ -68,10 +68,12 @@ def _parser() -> argparse.ArgumentParser:
     loc.add_argument("--config", required=True, help="experiment YAML file")
     loc.add_argument("--replicas", type=int, required=True, help="replica groups (torchrun jobs)")
     loc.add_argument("--nproc", type=int, required=True, help="ranks per replica group")
-    loc.add_argument("--kill", default="", help="REPLICA@STEP,...: SIGKILL the group once it has trained STEP batches of its shard")
+    loc.add_argument("--kill", default="", help="REPLICA@STEP,...: SIGKILL the group once it has trained STEP batches "
+                     "of its shard; all@STEP: every group at once, when the first has")
     loc.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a killed group restarts (default 1)")
     loc.add_argument("--resume", action="store_true",
-                     help="a restarted group resumes from its last checkpoint instead of catching up from a live peer")
+                     help="a restarted group resumes from its own last checkpoint instead of catching up from a live "
+                     "peer (what a job without the replica layer does)")
     loc.add_argument("--max-restarts", type=int, default=3, help="restarts of a group that crashes (default 3)")
     loc.add_argument("--timeout", type=float, default=3600.0, help="give up after this many seconds (default 3600)")
     simp = sub.add_parser("simulate", help="project step time, bubbles and effective training time to 8 .. 100K ranks "

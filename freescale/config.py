@@ -253,15 +253,19 @@ class ProfileConfig:
 @dataclass
 class FaultConfig:
     at_step: Annotated[int, NonNegative] = 0
-    """Inject a fault as this step begins (0 = never), to test recovery and clean-up."""
+    """Inject a fault in this step (0 = never), to test recovery and clean-up."""
     ranks: list[int] = field(default_factory=list)
     """Ranks (within the replica) that fail; empty = every rank."""
     replicas: list[int] = field(default_factory=list)
-    """Under the replica layer: the replica groups that fail (empty = every group); the fault then fires once per run folder."""
-    kind: Literal["raise", "exit"] = "raise"
-    """raise: an exception in the training loop; exit: the process ends at once, as a crash would."""
-    during: Literal["step", "allreduce", "catch_up"] = "step"
-    """Where in step N the fault strikes: as the step begins, inside the cross-replica all-reduce (ft), or while this replica loads a peer's state (ft catch-up)."""
+    """Under the replica layer: the replica groups that fail (empty = every group); the fault then strikes once per run folder."""
+    kind: Literal["raise", "exit", "delay"] = "raise"
+    """raise: an exception (a bug, a failed transfer); exit: the process ends at once, as a crash would; delay: the rank stalls for fault.delay_s."""
+    during: Literal["step", "quorum", "allreduce", "recover"] = "step"
+    """Where in the step: as it begins, or under the replica layer in the step's quorum, its first cross-replica all-reduce, or while this group fetches a live peer's state (recover: at its first catch-up at or after fault.at_step)."""
+    delay_s: Annotated[float, Range(min=0.0)] = 5.0
+    """How long a delay fault stalls the rank, in seconds."""
+    fail_commit_at: list[int] = field(default_factory=list)
+    """Under the replica layer: steps at which the group votes against its commit once (the step is rolled back and trained again); fault.replicas picks the groups."""
 
 
 @dataclass
@@ -281,11 +285,9 @@ class FTConfig:
     quorum_timeout_s: Annotated[float, Range(min=0.1)] = 60.0
     """How long a step waits for a quorum of replica groups."""
     embedding_sync_every: Annotated[int, NonNegative] = 10
-    """Average embedding rows and their optimizer state across replicas every this many steps and at the last step (0 = only at the last step)."""
+    """TorchRec's tables (train.pipeline sparse_dist): add up every group's changes to the rows every this many steps, at every checkpoint and at the last step (0 = only the last two); FreeScale's own tables sum each step's row gradients across the groups instead."""
     lr_scaling: Literal["none", "sqrt"] = "none"
     """Dense learning rate while fewer than ft.num_replicas take part: unchanged, or scaled by sqrt(participants / ft.num_replicas)."""
-    fail_commit_at: list[int] = field(default_factory=list)
-    """Steps at which this replica votes against its commit (fault injection: the step is rolled back and replayed)."""
 
 
 @dataclass
@@ -627,6 +629,10 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"sim.ranks: expected rank counts >= 1, got {cfg.sim.ranks}")
     if cfg.fault.during != "step" and not ft.enable:
         raise ConfigError(f"fault.during: {cfg.fault.during} needs the replica layer (ft.enable: true)")
+    if cfg.fault.fail_commit_at and not ft.enable:
+        raise ConfigError("fault.fail_commit_at: needs the replica layer (ft.enable: true)")
+    if any(s < 1 for s in cfg.fault.fail_commit_at):
+        raise ConfigError(f"fault.fail_commit_at: expected steps >= 1, got {cfg.fault.fail_commit_at}")
 
 
 def _kind(value: Any) -> str:

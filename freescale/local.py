@@ -4,18 +4,23 @@ Each replica group is one ``torchrun`` job (its own process session, so a kill t
 and all its ranks, as a lost host would), training into ``<run>/replica<r>/``. The launcher
 watches every group's committed steps (its data cursor, ``ft_cursor.json``), SIGKILLs group R
 once it has trained S batches of its own shard (``--kill R@S``: S committed steps on its own
-data; a group that joins late catches up first, so the kill always lands on real work), starts it again after ``--restart-delay``
-seconds (it catches up from a live peer and resumes its data shard), restarts a group that
-crashes the same way (up to ``--max-restarts`` times; never one that exits with a usage error;
-with ``--resume`` from its last checkpoint instead of from a peer),
-prints a progress line per group, waits for the end and writes ``<run>/local_summary.json``:
+data; a group that joins late catches up first, so the kill always lands on real work;
+``--kill all@S``: every group at once, when the first has trained S), starts it again after
+``--restart-delay`` seconds, and restarts a group that crashes the same way (up to
+``--max-restarts`` times; never one that exits with a usage error). A restarted group catches
+up from a live peer, or, when no group is left alive, resumes from the job's newest checkpoint
+(the trainer decides: ``ReplicaLayer.join``); with ``--resume`` it resumes from its own last
+checkpoint instead. A group is not restarted once every other group has finished the run:
+there is no live run left to rejoin. The launcher prints a progress line per group, waits for
+the end and writes ``<run>/local_summary.json``:
 
 - per group: committed steps, steps that trained its own batch, exit code, console log;
 - per failure: when it was killed and restarted, the time to rejoin (restart to its first
   commit), and every other group's *stall*: the longest gap between two of its commits while
   the failed group was away (kill to rejoin);
 - the ledger check over all groups: every batch of every group's shard up to its cursor
-  trained exactly once (``samples_lost``, ``samples_repeated``).
+  trained exactly once (``samples_lost``, ``samples_repeated``), and whether every group
+  reached the last step (``complete``).
 """
 
 from __future__ import annotations
@@ -33,26 +38,30 @@ from freescale.config import ConfigError, ExperimentConfig, load_config
 from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse
 from freescale.ft.replica import COMMITS_FILE, ReplicaFiles
 from freescale.io import write_json_atomic
-from freescale.train.ledger import audit, expected_samples, read_ledger
+from freescale.train.ledger import audit, exactly_once, expected_samples, read_ledger
 
 SUMMARY_FILE = "local_summary.json"
 EXIT_USAGE = 2  # a group that exits with it (bad config or input) is not restarted
 
 
+ALL = -1  # a kill of every group at once
+
+
 @dataclass(frozen=True)
 class Kill:
     replica: int
+    """The group, or ``ALL``."""
     step: int
 
 
 def parse_kills(text: str, replicas: int, steps: int) -> list[Kill]:
-    """``"1@10,0@30"`` -> kills (group, batches of its shard trained); one-line errors name the bad item."""
+    """``"1@10,0@30,all@50"`` -> kills (group, batches of its shard trained); one-line errors name the bad item."""
     kills = []
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         replica, at, step = item.partition("@")
-        if not at or not replica.isdigit() or not step.isdigit():
-            raise ConfigError(f"--kill: expected REPLICA@STEP items (e.g. 1@10), got {item!r}")
-        kill = Kill(int(replica), int(step))
+        if not at or not (replica.isdigit() or replica == "all") or not step.isdigit():
+            raise ConfigError(f"--kill: expected REPLICA@STEP or all@STEP items (e.g. 1@10), got {item!r}")
+        kill = Kill(ALL if replica == "all" else int(replica), int(step))
         if kill.replica >= replicas:
             raise ConfigError(f"--kill {item}: replica {kill.replica} does not exist (--replicas {replicas})")
         if not 1 <= kill.step < steps:
@@ -79,7 +88,7 @@ class Group:
     console: str
     env: dict
     proc: subprocess.Popen | None = None
-    kills: list[int] = field(default_factory=list)  # steps it is to be killed at, in order
+    kills: list[int] = field(default_factory=list)  # batches of its shard it is to be killed after, in order
     failures: list[Failure] = field(default_factory=list)
     restart_at: float | None = None
     exit_code: int | None = None
@@ -171,6 +180,7 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
                *(f"--{o}" for o in ft), f"--ft.replica_id={r}", f"--ft.lighthouse={address}", f"--run.dir={group_dir}"]
         groups.append(Group(r, cmd, group_dir, os.path.join(run_dir, f"replica{r}.console.log"), env,
                             kills=[k.step for k in plan if k.replica == r]))
+    kill_all = sorted(k.step for k in plan if k.replica == ALL)
     print(f"[local] {replicas} replica group(s) x {nproc} rank(s), lighthouse {address}, run folder {run_dir}"
           + (f", kills {kills}" if plan else ""), file=out, flush=True)
 
@@ -178,7 +188,7 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
     try:
         for g in groups:
             g.start()
-        _watch(groups, cfg, restart_delay, max_restarts, resume, started + timeout_s, progress_every_s, out)
+        _watch(groups, kill_all, cfg, restart_delay, max_restarts, resume, started + timeout_s, progress_every_s, out)
     finally:
         for g in groups:
             if g.proc is not None:
@@ -190,26 +200,36 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
     return summary
 
 
-def _watch(groups: list[Group], cfg: ExperimentConfig, restart_delay: float, max_restarts: int, resume: bool,
-           deadline: float, progress_every_s: float, out) -> None:
+def _watch(groups: list[Group], kill_all: list[int], cfg: ExperimentConfig, restart_delay: float, max_restarts: int,
+           resume: bool, deadline: float, progress_every_s: float, out) -> None:
     last_line = 0.0
     while True:
         now = time.time()
+        if kill_all and any(g.proc is not None and g.cursor()["next_batch"] >= kill_all[0] for g in groups):
+            trained = kill_all.pop(0)
+            running = [g for g in groups if g.proc is not None]
+            for g in running:
+                _kill(g, restart_delay)
+            print(f"[local] every group killed (SIGKILL) once one had trained {trained} batches of its shard, at "
+                  f"committed steps {', '.join(str(g.step()) for g in running)}; restart in {restart_delay:.1f} s",
+                  file=out, flush=True)
         for g in groups:
             if g.proc is not None and g.kills and g.cursor()["next_batch"] >= g.kills[0]:
                 trained = g.kills.pop(0)
-                g.kill()
-                g.failures.append(Failure(step=g.step(), killed_at=time.time()))
-                g.restart_at = time.time() + restart_delay
+                _kill(g, restart_delay)
                 print(f"[local] replica {g.replica} killed (SIGKILL) after {trained} batches of its shard, at "
                       f"committed step {g.step()}; restart in {restart_delay:.1f} s", file=out, flush=True)
             elif g.proc is None and g.restart_at is not None and now >= g.restart_at:
                 g.restart_at = None
-                if not resume and not any(o.proc is not None for o in groups if o is not g):
-                    print(f"[local] replica {g.replica} is not restarted: no other group is running to catch up "
-                          f"from (the others finished first; give the run more steps, or --resume)",
+                others = [o for o in groups if o is not g]
+                if others and all(o.proc is None and o.restart_at is None and o.exit_code == 0 for o in others):
+                    print(f"[local] replica {g.replica} is not restarted: every other group finished the run "
+                          f"(step {cfg.train.steps}) while it was down, so there is no live run to rejoin",
                           file=out, flush=True)
                     continue
+                if not any(o.proc is not None for o in others) and not resume:
+                    print(f"[local] replica {g.replica} restarts with no other group running: it resumes from the "
+                          f"job's newest checkpoint", file=out, flush=True)
                 g.failures[-1].restarted_at = time.time()
                 g.start((f"--checkpoint.resume={g.run_dir}",) if resume else ())
                 print(f"[local] replica {g.replica} restarted", file=out, flush=True)
@@ -232,6 +252,12 @@ def _watch(groups: list[Group], cfg: ExperimentConfig, restart_delay: float, max
         if now > deadline:
             raise TimeoutError("the replica groups did not finish within --timeout")
         time.sleep(0.05)
+
+
+def _kill(g: Group, restart_delay: float) -> None:
+    g.kill()
+    g.failures.append(Failure(step=g.step(), killed_at=time.time()))
+    g.restart_at = time.time() + restart_delay
 
 
 def read_commits(run_dir: str) -> list[dict]:
@@ -275,7 +301,7 @@ def summarize(run_dir: str, cfg: ExperimentConfig, groups: list[Group], nproc: i
             "exit_code": g.exit_code,
             "committed_steps": len(commits[g.replica]),
             "trained_steps": sum(1 for c in commits[g.replica] if c["trained"]),
-            "last_step": commits[g.replica][-1]["step"] if commits[g.replica] else 0,
+            "last_step": g.step(),
             "failures": failures,
             "console": g.console,
         })
@@ -286,8 +312,10 @@ def summarize(run_dir: str, cfg: ExperimentConfig, groups: list[Group], nproc: i
 
 
 def ledger_check(cfg: ExperimentConfig, groups: list[Group], nproc: int) -> dict:
-    """Every batch of every group's shard before its cursor, trained exactly once."""
+    """Every batch of every group's shard before its cursor, trained exactly once, and every
+    group at the last step."""
     records, expected = [], {}
+    reached = {g.replica: g.step() for g in groups}
     for g in groups:
         cursor = ReplicaFiles(g.run_dir).read_cursor()
         positions = range(cursor["next_batch"] if cursor else 0)
@@ -296,7 +324,7 @@ def ledger_check(cfg: ExperimentConfig, groups: list[Group], nproc: int) -> dict
             records += read_ledger(g.run_dir)
         except FileNotFoundError:
             pass
-    return audit(records, expected) | {"batches": len(expected)}
+    return audit(records, expected, reached=reached, last_step=cfg.train.steps) | {"batches": len(expected)}
 
 
 def _print_summary(summary: dict, out) -> None:
@@ -309,13 +337,13 @@ def _print_summary(summary: dict, out) -> None:
                   f"restart; longest stall of the others: {stalls}", file=out)
     ledger = summary["ledger"]
     if ledger:
+        unfinished = (f"; INCOMPLETE: replica(s) {', '.join(map(str, ledger['unfinished']))} did not reach step "
+                      f"{summary['steps']}" if not ledger["complete"] else "")
         print(f"[local] ledger: {ledger['batches']} batches, samples lost {ledger['samples_lost']}, "
-              f"repeated {ledger['samples_repeated']}", file=out)
+              f"repeated {ledger['samples_repeated']}{unfinished}", file=out)
     print(f"[local] wrote {os.path.join(summary['run_dir'], SUMMARY_FILE)}", file=out, flush=True)
 
 
 def succeeded(summary: dict) -> bool:
     ledger = summary["ledger"]
-    return (all(p["exit_code"] == 0 for p in summary["groups"])
-            and (ledger is None or (ledger["samples_lost"] == 0 and ledger["samples_repeated"] == 0
-                                    and ledger["unexpected"] == 0)))
+    return all(p["exit_code"] == 0 for p in summary["groups"]) and (ledger is None or exactly_once(ledger))

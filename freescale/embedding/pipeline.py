@@ -31,6 +31,14 @@ same order as in ``sync``, and read only after every update before it: the numer
 identical. The pipeline drains (``drain``: applies the deferred gradients) before evaluation,
 before a checkpoint and at the end of the data.
 
+Under the replica layer (``freescale.embedding.replicated``) a step's row gradients are summed
+across the groups and applied after the vote, in both pipelines: ``sync`` exchanges the rows
+it wrote with the other groups after its gradient exchange; ``prioritized`` does it between
+forward and backward, so that batch i+1's collision rows are those *any* group's batch i
+writes (the early rows are then final whatever the other groups do), waits for all of batch
+i's gradients (collision rows first, as above) before the vote, and sends batch i+1's
+collision rows once the update is in.
+
 On CPU the exchanges run in the transport's threads (gloo's, or the ``host_staged`` proxy)
 while this rank's main thread computes; the timeline marks the waits: ``id_wait``,
 ``flags_wait``, ``exclusive_wait`` (rows of the next batch, and deferred gradients) and
@@ -50,6 +58,7 @@ from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE, Batch
 from freescale.embedding.exchange import PendingRoute, Route, ShardedTables, counts_by
+from freescale.embedding.replicated import row_gradients
 from freescale.embedding.rows import in_rows, split_rows
 from freescale.ft.replica import COMMITTED, NullReplica
 from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, SeqRecTask
@@ -109,8 +118,7 @@ class DenseReduction:
     """The dense gradients averaged over the replica: one flat all-reduce (the same on every
     rank), started at once; ``wait`` puts the averages in the gradients."""
 
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup, across=None) -> None:
-        self.across = across  # then averages the replica's mean over the replica groups, in place
+    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
         self.params = params
         self.grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         self.flat = torch.cat([g.reshape(-1) for g in self.grads])
@@ -120,8 +128,6 @@ class DenseReduction:
     def wait(self) -> None:
         self.work.wait()
         self.flat /= self.world_size
-        if self.across is not None:
-            self.across(self.flat)
         at = 0
         for p, g in zip(self.params, self.grads):
             n = g.numel()
@@ -194,42 +200,38 @@ class EmbeddingPipeline:
             self._started = True
             first = next(batches)
             self._cur = self._stage(first)
-            self._cur.rows = self._lookup_all(self._cur, track=True)
+            self._cur.rows = self._lookup_all(self._cur, track=not self.replica.enabled)
             self._next = self._stage(next(batches, None))
         if self._cur is None:
             raise StopIteration
-        out = self._prioritized_step(batches)
-        return out
+        return self._prioritized_step(batches)
 
     def _sync_step(self, batch: Batch):
         replica = self.replica
         replica.begin()
         staged = self._stage(batch)
-        rows = self._lookup_all(staged, track=True)
+        rows = self._lookup_all(staged, track=not replica.enabled)
         loss, out, grads = self._forward_backward(staged.batch, rows)
+        dense = self._reduce_dense()
         route = staged.route
         with self.timeline.span("collision_wait"):
             got = self.transport.all_to_all_single(route.to_owner(grads), route.send_counts, route.recv_counts).wait()
-        replica.before_update([(self.tables.row_block(), route.ids)])
-        self.tables.update_looked_up(staged.looked_up, got)
         if not replica.enabled:
-            self._dense_step()
-        elif not self._commit(self._reduce_dense()):
+            self.tables.update_looked_up(staged.looked_up, got)
+            self._dense_step(dense)
+        elif not self._commit(replica.exchange_rows(torch.unique(route.ids)), route.ids, got, dense):
             self._replay = batch
         return out
 
-    def _commit(self, dense: "DenseReduction") -> bool:
-        """Under the replica layer: the dense gradients averaged across the groups, the tables'
-        sync, the vote; the dense optimizer steps if the step committed. Whether this group's
-        batch was trained (if not, it is trained again)."""
+    def _commit(self, plan, ids: torch.Tensor, got: torch.Tensor, dense: "DenseReduction") -> bool:
+        """Under the replica layer: the dense gradients averaged over the group, then the rest of
+        the step across the groups (``ReplicaLayer.finish``: the row gradients ``got`` of the
+        owned ``ids`` summed over ``plan``, the vote, the update). Whether this group's batch is
+        in the model (if not, it is trained again)."""
         with self.timeline.span("optimizer"):
             dense.wait()
-        self.replica.sync_embeddings([self.tables.row_block()])
-        self.vote = self.replica.vote()
-        if self.vote.stepped:
-            with self.timeline.span("optimizer"):
-                self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with self.timeline.span("vote"):
+            self.vote = self.replica.finish(plan, row_gradients(plan, ids, got))
         return self.vote.trained
 
     def _prioritized_step(self, batches: Iterator):
@@ -241,26 +243,29 @@ class EmbeddingPipeline:
             (after,), self._replay_after = self._replay_after, None
         else:
             after = self._stage(next(batches, None), wait=False) if nxt is not None else None
-        early = flags = None
+        early = flags = plan = None
 
         def between_forward_and_backward() -> None:
-            nonlocal early, flags
+            nonlocal early, flags, plan
             # 1. Batch i-1's deferred gradients (their exchange overlapped the forward), before
             # anything reads those rows: the early lookup below is this step's first read.
             self._apply_deferred()
+            written = cur.route.ids
+            if replica.enabled:  # the rows every group's batch i writes
+                plan = replica.exchange_rows(torch.unique(written))
+                written = plan.rows(0)
             if nxt is not None:
                 # 2. Split batch i+1's rows at their owners and tell the senders (needed after
                 # the backward); send every row i+1 reads now, overlapped with the backward.
                 # The collision rows among them are sent again once batch i has updated them.
-                flags = self._split(cur, nxt)
+                flags = self._split(cur, nxt, written)
                 route = nxt.route
-                nxt.looked_up = tables.lookup(route.ids, track=True)
+                nxt.looked_up = tables.lookup(route.ids, track=not replica.enabled)
                 early = self.transport.all_to_all_single(nxt.looked_up.detach(), route.recv_counts,
                                                          route.send_counts, lane=NORMAL)
 
         # Batch i's forward and backward, on the rows assembled last step.
         loss, out, grads = self._forward_backward(cur.batch, cur.rows, between=between_forward_and_backward)
-        replica.before_update([(tables.row_block(), cur.route.ids)])  # every row batch i writes, as it is
         dense = self._reduce_dense()
         if after is not None:
             with self.timeline.span("id_wait"):
@@ -271,46 +276,62 @@ class EmbeddingPipeline:
             # End of the data: nothing reads ahead, every row is updated now.
             with self.timeline.span("collision_wait"):
                 got = self.transport.all_to_all_single(sent, route.send_counts, route.recv_counts).wait()
+            if replica.enabled:
+                return self._end_replicated(out, plan, got, dense)
             tables.update_looked_up(cur.looked_up, got)
-        else:
-            self._take_flags(cur, nxt, flags)
-            # 3. Collision gradients first; then the rest of batch i's gradients, deferred.
-            hot = cur.sent_collide
-            collision = self.transport.all_to_all_single(
-                _take(sent, hot), _per_owner(route, hot), _per_rank(route.recv_counts, cur.owned_collide), lane=HIGH)
-            with self.timeline.span("collision_wait"):
-                got = collision.wait()
-            tables.update(_take(route.ids, cur.owned_collide), got)
-            # The owners send batch i+1's collision rows, now updated; then the deferred gradients
-            # (after: nothing large competes with the collision exchange for the wire or the CPU).
-            hot_next = nxt.owned_collide
-            late = self.transport.all_to_all_single(
-                tables.lookup(_take(nxt.route.ids, hot_next)), _per_rank(nxt.route.recv_counts, hot_next),
-                _per_owner(nxt.route, nxt.sent_collide), lane=HIGH)
-            self._deferred = self._send_deferred(cur, sent)
-        if not replica.enabled:
             self._dense_step(dense)
-        if nxt is not None:
-            with self.timeline.span("exclusive_wait"):
-                owner_major = early.wait()
-            with self.timeline.span("collision_wait"):
-                fresh = late.wait()
-            if fresh.numel():
-                owner_major.index_copy_(0, nxt.sent_collide.nonzero().squeeze(1), fresh)
-            nxt.rows = nxt.route.to_batch(owner_major)
+            self._cur, self._next = nxt, after
+            return out
+        self._take_flags(cur, nxt, flags)
+        # 3. Collision gradients first; then the rest of batch i's gradients, deferred.
+        hot = cur.sent_collide
+        collision = self.transport.all_to_all_single(
+            _take(sent, hot), _per_owner(route, hot), _per_rank(route.recv_counts, cur.owned_collide), lane=HIGH)
         if replica.enabled:
-            self._apply_deferred()  # under the replica layer every write of the step comes before its vote
-            if not self._commit(dense):
-                # Trained again: the tables are as the step found them (rolled back, or a
-                # peer's after a catch-up), so batch i's rows are read anew.
-                cur.rows = self._lookup_all(cur, track=True)
-                self._replay_after = (after,)
-                return out
-            if self.vote.rewritten and nxt is not None:
-                nxt.rows = self._lookup_all(nxt, track=True)  # read before the tables' sync: read anew
+            deferred = self._send_deferred(cur, sent)
+            with self.timeline.span("collision_wait"):
+                hot_got = collision.wait()
+            return self._finish_replicated(out, plan, self._all_gradients(cur, hot_got, deferred), dense, early, after)
+        with self.timeline.span("collision_wait"):
+            got = collision.wait()
+        tables.update(_take(route.ids, cur.owned_collide), got)
+        # The owners send batch i+1's collision rows, now updated; then the deferred gradients
+        # (after: nothing large competes with the collision exchange for the wire or the CPU).
+        late = self._send_collision_rows(nxt)
+        self._deferred = self._send_deferred(cur, sent)
+        self._dense_step(dense)
+        self._assemble(nxt, early, late)
         self._cur, self._next = nxt, after
-        if self._cur is not None and self._next is None:
+        if self._next is None:
             self.drain()  # the data ended: nothing is deferred past the last batch
+        return out
+
+    def _finish_replicated(self, out, plan, got: torch.Tensor, dense, early, after):
+        """Under the replica layer, the rest of step i once batch i's gradients are at their
+        owners: the vote (``_commit``), then batch i+1's rows. Nothing was written before the
+        vote; after a catch-up the tables are a peer's, so rows read before it are read anew."""
+        cur, nxt = self._cur, self._next
+        with self.timeline.span("exclusive_wait"):
+            early.wait()
+        trained = self._commit(plan, cur.route.ids, got, dense)
+        if not trained:  # the same batch again; the batch after next stays staged
+            if self.vote.rewritten:
+                cur.rows = self._lookup_all(cur)
+            self._replay_after = (after,)
+            return out
+        if self.vote.rewritten:
+            nxt.rows = self._lookup_all(nxt)
+        else:
+            self._assemble(nxt, early, self._send_collision_rows(nxt))
+        self._cur, self._next = nxt, after
+        return out
+
+    def _end_replicated(self, out, plan, got: torch.Tensor, dense):
+        """Under the replica layer, the last batch of the data: the vote, nothing read ahead."""
+        if self._commit(plan, self._cur.route.ids, got, dense):
+            self._cur = None
+        elif self.vote.rewritten:
+            self._cur.rows = self._lookup_all(self._cur)
         return out
 
     # Parts ---------------------------------------------------------------------------------
@@ -333,12 +354,13 @@ class EmbeddingPipeline:
             got = self.transport.all_to_all_single(looked_up.detach(), route.recv_counts, route.send_counts).wait()
         return route.to_batch(got)
 
-    def _split(self, cur: _Staged, nxt: _Staged):
-        """Collision rows of (cur, nxt) at this owner; the flags every sender needs, on their way."""
+    def _split(self, cur: _Staged, nxt: _Staged, written: torch.Tensor):
+        """Collision rows at this owner: those of batch i+1 in ``written`` (what batch i writes);
+        the flags every sender needs, on their way."""
         with self.timeline.span("id_wait"):
             nxt_route = nxt.wait_route()
         cur_route = cur.route
-        split = split_rows(cur_route.ids, nxt_route.ids)
+        split = split_rows(written, nxt_route.ids)
         cur.owned_collide = in_rows(cur_route.ids, split.collision)
         nxt.owned_collide = in_rows(nxt_route.ids, split.collision)
         self.collision_rates.append(self._note_rate(len(split.collision), len(split.collision) + len(split.exclusive)))
@@ -360,6 +382,36 @@ class EmbeddingPipeline:
         parts = torch.split(got, [sent[r] + nxt.route.send_counts[r] for r in range(W)])
         cur.sent_collide = torch.cat([parts[r][:sent[r]] for r in range(W)])
         nxt.sent_collide = torch.cat([parts[r][sent[r]:] for r in range(W)])
+
+    def _send_collision_rows(self, nxt: _Staged):
+        """Batch i+1's collision rows, looked up now (after batch i's update), to their readers."""
+        hot = nxt.owned_collide
+        return self.transport.all_to_all_single(self.tables.lookup(_take(nxt.route.ids, hot)),
+                                                _per_rank(nxt.route.recv_counts, hot),
+                                                _per_owner(nxt.route, nxt.sent_collide), lane=HIGH)
+
+    def _assemble(self, nxt: _Staged, early, late) -> None:
+        """Batch i+1's rows: the early rows, their collision rows overwritten by the late ones."""
+        with self.timeline.span("exclusive_wait"):
+            owner_major = early.wait()
+        with self.timeline.span("collision_wait"):
+            fresh = late.wait()
+        if fresh.numel():
+            owner_major.index_copy_(0, nxt.sent_collide.nonzero().squeeze(1), fresh)
+        nxt.rows = nxt.route.to_batch(owner_major)
+
+    def _all_gradients(self, cur: _Staged, hot_got: torch.Tensor, deferred: "_Deferred") -> torch.Tensor:
+        """Every gradient batch i's owner receives, as ``sync`` receives them (shard-major): the
+        deferred part, then the collision rows in their places."""
+        with self.timeline.span("exclusive_wait"):
+            got = deferred.handle.wait()
+        if deferred.positions is not None:
+            full = got.new_zeros((len(cur.route.ids), got.shape[1]))
+            full.index_copy_(0, deferred.positions, got)
+            got = full
+        if hot_got.numel():
+            got.index_copy_(0, cur.owned_collide.nonzero().squeeze(1), hot_got)
+        return got
 
     def _send_deferred(self, cur: _Staged, sent: torch.Tensor) -> "_Deferred":
         """Send batch i's gradients other than the collision rows' (normal lane, applied next step).
@@ -406,9 +458,8 @@ class EmbeddingPipeline:
         return loss, out, grads
 
     def _reduce_dense(self):
-        """Start averaging the dense gradients over the replica (and then over the replica groups)."""
-        return DenseReduction(self.dense_params, self.group,
-                              across=self.replica.reduce_dense if self.replica.enabled else None)
+        """Start averaging the dense gradients over the replica's ranks."""
+        return DenseReduction(self.dense_params, self.group)
 
     def _dense_step(self, reduction: "DenseReduction | None" = None) -> None:
         reduction = reduction or self._reduce_dense()

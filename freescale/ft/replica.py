@@ -1,29 +1,41 @@
 """The replica layer: each torchrun job is one replica group, a fault domain of its own.
 
-Every rank holds one torchft ``Manager``; the managers of rank ``g`` of every replica group
+Every rank holds one torchft ``Manager``; the managers of rank ``r`` of every replica group
 share a torchft process group, and a lighthouse (``freescale lighthouse``) forms the quorum of
-the groups that are alive. One step under the layer (``train.pipeline: sync``):
+the groups that are alive. ``ReplicaLayer`` is one rank's part of a step, the same object for
+both kinds of tables (the *table side*: ``freescale.embedding.replicated`` for FreeScale's
+own, ``freescale.ft.table_sync`` for TorchRec's). A step:
 
-1. ``begin``: the quorum for the step starts in torchft's thread (a group that is behind, or
-   new, fetches a healthy peer's state meanwhile: *catch-up*, while the peers keep stepping);
-2. forward and backward inside the replica, as without the layer;
-3. ``before_update``: the embedding rows the step will write (weights and optimizer state)
-   are saved, then the fused optimizer updates them;
-4. ``reduce_dense``: the dense gradients, already averaged over the replica's ranks, are
-   averaged over the participating replica groups (``Manager.allreduce``; a group that is
-   catching up contributes zeros);
-5. ``sync_embeddings`` (every ``ft.embedding_sync_every`` steps and at the last): every
-   table's rows and optimizer state averaged across the groups, into a copy;
-6. ``vote``: torchft's commit vote. Committed: the dense optimizer steps and the averaged rows
-   are put in place. Failed (a peer died mid-step, an error, an injected failure): the saved
-   rows go back, the dense gradients are dropped, and the same batch is trained again, so the
-   failed attempt leaves no trace.
+1. ``begin``: the quorum starts in torchft's thread; a group that is behind fetches a live
+   peer's state meanwhile (catch-up) while the peers keep stepping;
+2. forward and backward inside the group, as without the layer;
+3. ``exchange_rows``: the step's header and row keys across the groups
+   (``freescale.ft.row_exchange``): which groups take part, the data cursor each will hold if
+   the step commits, and the union of the rows they contribute;
+4. ``finish``: the dense gradients (already averaged over the group's ranks) averaged over
+   the groups that take part (one that catches up contributes zeros), the row values summed
+   over the union, then the vote. Before it, the ranks of the group check that they hold the
+   same step and cursor (a tiny all-reduce); a mismatch fails the step. Committed: a group
+   that caught up loads the peer's state now, every rank of the group at once (group-atomic:
+   a failed vote drops it on every rank), the table side applies the summed rows, the dense
+   optimizer steps, and the other groups' cursors are recorded. Not committed (a peer died,
+   an error, too few groups, a failed fetch): what the step wrote goes back (the table side's
+   rollback), torchft's step is put back to the trainer's and the same batch is trained again.
 
-A group catching up loads the peer's state when the vote is taken: dense weights and
-optimizer, its own embedding shard from the peer's same-rank shard, the step counter and the
-RNG. Its data cursor is its own (each group trains its own shard of the stream, and its cursor
-is saved atomically at every committed step: ``ReplicaFiles``), so its batch of that step was
-not trained and is trained next.
+A cross-replica collective that fails aborts the process group at once (gloo's abort closes
+its connections), so a peer blocked on this group in the same collective is released rather
+than left waiting for a group that gave up; the next quorum rebuilds the group without the
+dead replica.
+
+A group's data cursor travels with the state (``DataCursor`` holds every group's), so a group
+that takes a peer's state learns from it which of its own batches that state has trained: the
+batch in hand (the step's vote failed here after the peers committed it) or none.
+
+``join`` runs before the first batch is drawn (the trainer calls it when the group has run
+before): if a live group is ahead, the group catches up in a *zero step* (it takes part in the
+peers' step with zeros and loads their state); if none is (every group was lost), it lets the
+step pass, loads the newest checkpoint of the job and tries again, so the groups that come
+back meet on the newest state and go on from there.
 
 Off (``ft.enable: false``) the trainer holds a ``NullReplica``: every step commits and trains.
 """
@@ -37,13 +49,14 @@ import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Callable
 
 import torch
-from torch.distributed._shard.sharded_tensor import ShardedTensor
-from torch.distributed.tensor import DTensor
-from torch.utils._pytree import tree_map
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
-from freescale.faults import InjectedFault
+from freescale.ft.catchup import load_transferred, transfer_state
+from freescale.ft.row_exchange import Header, RowPlan, empty_plan, pack_header, pack_keys, plan_rows, read_header
 from freescale.io import write_json_atomic
 
 log = logging.getLogger("freescale")
@@ -51,14 +64,14 @@ log = logging.getLogger("freescale")
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 CURSOR_FILE = "ft_cursor.json"
 COMMITS_FILE = "ft_commits.jsonl"
+NO_KEYS = torch.zeros(0, dtype=torch.int64)
 
 
 @dataclass(frozen=True)
 class Vote:
     """How a step ended: ``stepped``, the model took the step (its counter advances);
-    ``trained``, this group's batch is in it (its cursor and ledger advance); ``rewritten``,
-    the layer wrote table rows itself (the averaged rows of a sync, rolled-back rows, a peer's
-    state): rows read before the vote are stale."""
+    ``trained``, this group's batch is in the model (its cursor and ledger advance);
+    ``rewritten``, the group took a peer's state: rows read before the vote are stale."""
 
     stepped: bool
     trained: bool
@@ -76,19 +89,16 @@ class NullReplica:
     def begin(self) -> None:
         pass
 
-    def before_update(self, touched) -> None:
-        pass
-
-    def reduce_dense(self, flat: torch.Tensor) -> None:
-        pass
-
-    def sync_embeddings(self, blocks) -> None:
-        pass
-
     def vote(self) -> Vote:
         return COMMITTED
 
+    def join(self, restore: Callable[[], None] | None) -> None:
+        pass
+
     def committed(self, step: int, next_batch: int, trained: bool = True) -> None:
+        pass
+
+    def check_group(self, where: str) -> None:
         pass
 
     def close(self) -> None:
@@ -96,16 +106,16 @@ class NullReplica:
 
 
 class ReplicaFiles:
-    """A group's files in its run folder: the cursor of its data shard (rewritten atomically
-    at every committed step) and one line per commit (what ``freescale local`` measures stalls
-    from)."""
+    """A group's files in its run folder: its progress (the last committed step and the data
+    cursor it left, rewritten atomically at every commit: what ``freescale local`` watches)
+    and one line per commit (what it measures stalls from)."""
 
     def __init__(self, run_dir: str) -> None:
         self.cursor_path = os.path.join(run_dir, CURSOR_FILE)
         self.commits_path = os.path.join(run_dir, COMMITS_FILE)
 
     def read_cursor(self) -> dict | None:
-        """``{"step", "next_batch", "time"}`` of the last committed step, or None for a new group."""
+        """``{"step", "next_batch"}`` of the last committed step, or None for a group that never committed."""
         if not os.path.exists(self.cursor_path):
             return None
         try:
@@ -119,58 +129,11 @@ class ReplicaFiles:
         now = time.time()
         with open(self.commits_path, "a") as f:
             f.write(json.dumps({"step": step, "next_batch": next_batch, "trained": trained, "time": now}) + "\n")
-        write_json_atomic(self.cursor_path, {"step": step, "next_batch": next_batch, "time": now})
+        self.write_progress(step, next_batch, now)
 
-
-def transfer_state(state: dict) -> dict:
-    """A copy of ``state`` that the live state can no longer change: tensors cloned, sharded
-    tensors as their local shards (a rank catching up takes the same-rank peer's shards)."""
-
-    def copy(value):
-        if isinstance(value, DTensor):
-            return value.to_local().detach().clone()
-        if isinstance(value, ShardedTensor):
-            return [s.tensor.detach().clone() for s in value.local_shards()]
-        if isinstance(value, torch.Tensor):
-            return value.detach().clone()
-        return value
-
-    return tree_map(copy, state, is_leaf=lambda v: isinstance(v, ShardedTensor))
-
-
-def load_into(live, value):
-    """``value`` (a ``transfer_state`` copy) written into ``live`` (what a part's ``state_dict()``
-    returns) in place: tensors, DTensors and ShardedTensors keep their storage (the tables'
-    kernels, the parameters) and take the values; anything else is taken as it comes.
-    Returns ``live`` for the part's ``load_state_dict``."""
-    if isinstance(live, DTensor):
-        live.to_local().copy_(value)
-    elif isinstance(live, ShardedTensor):
-        shards = live.local_shards()
-        if len(shards) != len(value):
-            raise ValueError(f"a peer's state holds {len(value)} local shard(s) where this rank holds {len(shards)}")
-        for shard, v in zip(shards, value):
-            shard.tensor.copy_(v)
-    elif isinstance(live, torch.Tensor) and isinstance(value, torch.Tensor) and live.shape == value.shape:
-        live.copy_(value)
-    elif isinstance(live, dict) and isinstance(value, dict):
-        for key, v in value.items():
-            live[key] = load_into(live[key], v) if key in live else v
-    elif isinstance(live, list) and isinstance(value, list) and len(live) == len(value):
-        live[:] = [load_into(a, b) for a, b in zip(live, value)]
-    else:
-        return value
-    return live
-
-
-def load_transferred(state, transferred: dict) -> None:
-    """A peer's ``transfer_state`` copy loaded into ``state`` (a ``TrainingState``), in place;
-    the parts it does not hold (the data cursor) are left as they are."""
-    state.prepare_load()
-    with torch.no_grad():
-        for name, part in state.parts.items():
-            if name in transferred:
-                part.load_state_dict(load_into(part.state_dict(), transferred[name]))
+    def write_progress(self, step: int, next_batch: int, now: float | None = None) -> None:
+        """The group's state without a commit (it loaded a checkpoint)."""
+        write_json_atomic(self.cursor_path, {"step": step, "next_batch": next_batch, "time": now or time.time()})
 
 
 class ReplicaLayer:
@@ -178,28 +141,36 @@ class ReplicaLayer:
 
     enabled = True
 
-    def __init__(self, cfg, topo, state, dense_params: list, optimizer, faults, files: ReplicaFiles) -> None:
+    def __init__(self, cfg, topo, state, dense_params: list, optimizer, side, faults, files: ReplicaFiles) -> None:
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's managers log every quorum and vote at info
         from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing import HTTPTransport
+
+        from freescale.ft.faults import wrap_manager, wrap_process_group, wrap_transport
 
         ft = cfg.ft
         self.cfg = ft
-        self.last_step = cfg.train.steps
+        self.replicas = ft.num_replicas
+        self.replica = ft.replica_id
         self.state = state
         self.dense_params = dense_params
         self.optimizer = optimizer
-        self.faults = faults
+        self.side = side
         self.files = files
         self.rank = topo.rank
+        self.group = topo.pg
         self.base_lrs = [g["lr"] for g in optimizer.param_groups]
-        self._saved = None
-        self._synced = None
-        self._step = 1
-        self._failed: set[int] = set()
+        self._step = state.parts["trainer"].step + 1  # the step being attempted (the quorum's)
+        self._quorum_open = False  # a quorum join() started, which the first step takes
+        self._failed = False  # a cross-replica collective of this step failed
+        self._header: Header | None = None
+        self._stash: dict | None = None  # a peer's state, until the group's vote
+        self._joining = False
         timeout = timedelta(seconds=ft.timeout_s)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            load_state_dict=self._load,
+        self.pg = wrap_process_group(ProcessGroupGloo(timeout=timeout), faults, lambda: self._step)
+        manager = Manager(
+            pg=self.pg,
+            load_state_dict=self._receive,
             state_dict=self._snapshot,
             min_replica_size=ft.min_replicas,
             use_async_quorum=True,
@@ -210,90 +181,207 @@ class ReplicaLayer:
             world_size=topo.world_size,
             lighthouse_addr=os.environ.get(LIGHTHOUSE_ENV) or ft.lighthouse,
             replica_id=f"replica{ft.replica_id}",
+            checkpoint_transport=wrap_transport(HTTPTransport(timeout=timeout, num_chunks=0), faults),
             init_sync=False,  # every group draws the same initial weights from run.seed
         )
-        resumed = self.state.parts["trainer"].step
-        if resumed:  # from a checkpoint: the manager counts on from there
-            self.manager.load_state_dict({"step": resumed, "batches_committed": 0})
+        fail_commit_at = cfg.fault.fail_commit_at if not cfg.fault.replicas or self.replica in cfg.fault.replicas else []
+        self.manager = wrap_manager(manager, faults, fail_commit_at)
+        self._put_back_step()
+
+    @property
+    def trainer_step(self) -> int:
+        return self.state.parts["trainer"].step
+
+    @property
+    def cursor(self):
+        return self.state.parts["data"]
 
     # The live state torchft hands a group that catches up ----------------------------------
 
     def _snapshot(self) -> dict:
-        """Called in torchft's quorum thread while this group's step has not yet written anything."""
-        state = self.state.state_dict()
-        state.pop("data")  # every group keeps the cursor of its own shard
-        return transfer_state(state)
+        """Called in torchft's quorum thread, before this group writes anything in the step."""
+        return transfer_state({"training": self.state.state_dict(), "tables": self.side.state_dict()})
 
-    def _load(self, state: dict) -> None:
-        """A peer's state, at the vote of the step this group catches up in."""
-        self.faults.at("catch_up", self._step)
+    def _receive(self, state: dict) -> None:
+        """A peer's state, at this rank's vote: kept until the group has voted."""
+        self._stash = state
+
+    def _adopt(self, state: dict) -> None:
         grads = [p.grad for p in self.dense_params]  # the step's averaged gradients outlive the load
-        load_transferred(self.state, state)
+        load_transferred(self.state, state["training"])
+        self.side.load_state_dict(state["tables"])
         for p, g in zip(self.dense_params, grads):
             p.grad = g
-        self._saved = None  # the loaded rows supersede this attempt's updates
-        log.info(f"caught up with a peer at step {int(state['trainer']['step'])}")
+        log.info(f"caught up with a peer at step {self.trainer_step}")
 
-    # One step ----------------------------------------------------------------------------
+    # One step ------------------------------------------------------------------------------
 
     def begin(self) -> None:
         """Start the quorum of the step that follows the last committed one."""
-        self._step = self.state.parts["trainer"].step + 1
-        self._saved = None
-        self._synced = None
-        self.manager.start_quorum()
+        self._failed = False
+        self._header = None
+        if self._quorum_open:
+            self._quorum_open = False
+        else:
+            self.manager.start_quorum()
+
+    def wait_quorum(self) -> int:
+        """Wait for the step's quorum (and, for a group catching up, the peer's state); the
+        step's number (ahead of the trainer's when catching up)."""
+        self.manager.wait_quorum()
+        self._step = self.manager.current_step() + 1
+        return self._step
 
     def before_update(self, touched) -> None:
-        """Save the rows the step is about to write, as they are: ``touched`` holds (row block,
-        local rows) pairs (``freescale.ft.rows``; rows may repeat). Called once or more per step,
-        before the first write."""
-        if self._saved is None:
-            self.manager.wait_quorum()  # a peer's snapshot for a group catching up is taken before any write
-            self._step = self.manager.current_step() + 1  # the quorum's step (ahead of ours when catching up)
-            self._saved = []
-        for block, ids in touched:
-            rows = torch.unique(ids)
-            self._saved.append((block, rows, [t[rows].clone() for t in block]))
+        """The rows the step is about to write in backward (TorchRec's fused tables), before the
+        first write: the table side saves them (``touched``: (block, local rows) pairs)."""
+        self.wait_quorum()  # a peer's snapshot for a group catching up is taken before any write
+        self.side.touch(touched)
 
-    def reduce_dense(self, flat: torch.Tensor) -> None:
-        """Average ``flat`` (the replica's mean dense gradient) over the participating groups, in place."""
-        self.faults.at("allreduce", self._step)
-        self.manager.allreduce(flat).wait()
+    def exchange_rows(self, keys: torch.Tensor, present: bool = True) -> RowPlan:
+        """The step's header and the union of every group's row ``keys`` (sorted unique keys of
+        the table side's row space). ``present``: this group's batch is in the step."""
+        self.wait_quorum()
+        header = pack_header(self.replicas, self.replica, self.cursor.next_batch + 1, len(keys))
+        if not present:
+            header.zero_()
+        if not self._allreduce(header):
+            return empty_plan(self.side.space)
+        self._header = read_header(header, self.replicas)
+        counts = self._header.counts
+        if not int(counts.sum()):
+            return empty_plan(self.side.space)
+        gathered = pack_keys(keys[:int(counts[self.replica])], counts, self.replica)
+        if not self._allreduce(gathered):
+            return empty_plan(self.side.space)
+        return plan_rows(self.side.space, gathered)
 
-    def sync_embeddings(self, blocks) -> None:
-        """At a sync step: every row block (``freescale.ft.rows``) averaged across the groups,
-        into a copy that the vote puts in place if the step commits."""
-        step, every = self._step, self.cfg.embedding_sync_every
-        if not (step == self.last_step or (every and step % every == 0)):
-            return
-        synced = [(t, t.clone()) for block in blocks for t in block]
-        works = [self.manager.allreduce(copy) for _, copy in synced]
-        for w in works:
-            w.wait()
-        self._synced = synced
+    def reduce_dense(self, params: list) -> None:
+        """The gradients of ``params`` (the group's mean) averaged over the groups that take part."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        if self._allreduce(flat):
+            flat /= max(1, self.manager.num_participants())
+        at = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[at:at + g.numel()].view_as(g)
+            at += g.numel()
+
+    def finish(self, plan: RowPlan, values: torch.Tensor) -> Vote:
+        """The rest of the step (module docstring, 4.): ``values`` is this group's part of the
+        rows in ``plan``'s layout."""
+        self.reduce_dense(self.dense_params)
+        if plan.size:
+            self._allreduce(values)
+        vote = self.vote()
+        if vote.stepped:
+            self.side.apply(plan, values)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return vote
 
     def vote(self) -> Vote:
-        step = self._step
-        participating = self.manager.is_participating()
-        if step in self.cfg.fail_commit_at and step not in self._failed:
-            self._failed.add(step)  # the replayed attempt commits
-            self.manager.report_error(InjectedFault(f"injected commit failure at step {step}"))
+        self.wait_quorum()
+        self._check_group()
         self._scale_lr()
+        before = self.cursor.next_batch
         stepped = self.manager.should_commit()
-        rewritten = not participating or (self._synced is not None if stepped else self._saved is not None)
-        if stepped:
-            with torch.no_grad():
-                for live, averaged in self._synced or []:
-                    live.copy_(averaged)
-        elif self._saved is not None:
-            with torch.no_grad():
-                for block, rows, saved in self._saved:
-                    for live, values in zip(block, saved):
-                        live[rows] = values
-            log.warning(f"step {step} not committed ({self.manager.errored() or 'too few replicas'}): "
-                        f"rolled back, its batch is trained again")
-        self._saved = self._synced = None
-        return Vote(stepped=stepped, trained=stepped and participating, rewritten=rewritten)
+        trained = stepped and self.manager.is_participating()
+        if not stepped:
+            self.side.rollback()
+            self._put_back_step()
+            cause = str(self.manager.errored() or "too few replicas").splitlines()[0][:200]
+            if not self._joining:
+                log.warning(f"step {self._step} not committed ({cause}): rolled back, its batch is trained again")
+            elif self._stash is not None or not self.manager.is_participating():
+                log.warning(f"catching up in step {self._step} failed ({cause}): the group tries again")
+            self._stash = None
+            return Vote(stepped=False, trained=False)
+        stash, self._stash = self._stash, None
+        if stash is not None:
+            self._adopt(stash)
+            trained = self._trained_by_peers(before, self.cursor.next_batch)
+        self._record_cursors()
+        self.side.committed()
+        return Vote(stepped=True, trained=trained, rewritten=stash is not None)
+
+    def committed(self, step: int, next_batch: int, trained: bool = True) -> None:
+        """After a committed step: the group's progress (its rank 0 writes it)."""
+        if step != self.manager.current_step():
+            raise RuntimeError(f"step {step} but torchft's manager is at {self.manager.current_step()}")
+        if self.rank == 0:
+            self.files.write(step, next_batch, trained)
+
+    # Parts of a step -----------------------------------------------------------------------
+
+    def _allreduce(self, tensor: torch.Tensor) -> bool:
+        """Sum ``tensor`` over the groups in place (zeros from a group that catches up, as
+        torchft does); False once anything failed in the step, which the vote then fails."""
+        if self._failed:
+            return False
+        if not self.manager.is_participating():
+            tensor.zero_()
+        opts = AllreduceOptions()
+        opts.reduceOp = ReduceOp.SUM
+        try:
+            self.pg.allreduce([tensor], opts).wait()
+        except Exception as e:
+            self.manager.report_error(e)
+            self._abort(e)
+            return False
+        return True
+
+    def _abort(self, cause: Exception) -> None:
+        """Give up the step's collectives: the process group is aborted, which fails the peers'
+        side of them at once; the next quorum builds a new one."""
+        self._failed = True
+        log.warning(f"a cross-replica collective failed ({str(cause).splitlines()[0][:200]}): "
+                    f"aborting it so the other groups go on")
+        try:
+            self.pg.abort()
+        except Exception:  # already torn down
+            pass
+
+    def _check_group(self, where: str = "") -> None:
+        """Every rank of the group holds the same trainer step, torchft step and data cursor;
+        a mismatch fails the step (or, with ``where``, raises)."""
+        mine = torch.tensor([self.trainer_step, self.manager.current_step(), self.cursor.next_batch],
+                            dtype=torch.int64)
+        both = torch.cat([mine, -mine])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.group)
+        if torch.equal(both[:3], -both[3:]):
+            return
+        message = (f"the ranks of replica {self.replica} disagree (trainer step {-int(both[3])}..{int(both[0])}, "
+                   f"torchft step {-int(both[4])}..{int(both[1])}, data cursor {-int(both[5])}..{int(both[2])})")
+        if where:
+            raise RuntimeError(f"{message} at {where}")
+        if not self.manager.errored():  # (a rank's own failure is the cause to report)
+            self.manager.report_error(RuntimeError(message))
+
+    def check_group(self, where: str) -> None:
+        """Raise if the ranks of the group do not hold the same step and cursor (the end of a run)."""
+        self._check_group(where)
+
+    def _trained_by_peers(self, before: int, after: int) -> bool:
+        """Whether the state taken from a peer has trained this group's batch in hand (the
+        batch at ``before``): the peers committed a step with it that this group's vote lost."""
+        if after == before + 1:
+            return True
+        if after == before or self._joining:
+            return False
+        raise RuntimeError(f"replica {self.replica} took a peer's state that holds its data cursor at batch {after}, "
+                           f"but it is at batch {before}: restart the group to rejoin")
+
+    def _record_cursors(self) -> None:
+        """The other groups' cursors as the committed step leaves them."""
+        if self._header is None:
+            return
+        for g in self._header.present.nonzero().flatten().tolist():
+            if g != self.replica:
+                self.cursor.positions[g] = int(self._header.cursors[g])
+
+    def _put_back_step(self) -> None:
+        self.manager.load_state_dict({"step": self.trainer_step, "batches_committed": self.manager.batches_committed()})
 
     def _scale_lr(self) -> None:
         if self.cfg.lr_scaling != "sqrt":
@@ -302,18 +390,53 @@ class ReplicaLayer:
         for group, lr in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = lr * scale
 
-    def committed(self, step: int, next_batch: int, trained: bool = True) -> None:
-        """After a committed step: the cursor of this group's shard (the group's rank 0 writes it)."""
-        if step != self.manager.current_step():
-            raise RuntimeError(f"step {step} but torchft's manager is at {self.manager.current_step()}")
-        if self.rank == 0:
-            self.files.write(step, next_batch, trained)
+    # Joining -------------------------------------------------------------------------------
+
+    def join(self, restore: Callable[[], None] | None) -> None:
+        """Settle the state of a group that has run before, before it draws a batch (module
+        docstring); ``restore`` loads the newest checkpoint of the job into the state (None:
+        the state is the one to go on from, a checkpoint the launch resumed)."""
+        self._joining = True
+        restored = False
+        try:
+            while True:
+                self.begin()
+                self.wait_quorum()
+                if not self.manager.is_participating():  # a live group is ahead: catch up from it
+                    if self._zero_step().stepped:
+                        self.state.parts["trainer"].step += 1
+                        self.committed(self.trainer_step, self.cursor.next_batch, trained=False)
+                        return
+                    continue
+                if restored or restore is None:
+                    self._quorum_open = True  # the first step runs in this quorum
+                    return
+                log.info("no live replica group is ahead of this one (every group was lost): "
+                         "loading the newest checkpoint")
+                self._zero_step(abstain=True)
+                restore()
+                self.side.load_state_dict({})
+                self._put_back_step()
+                if self.rank == 0:
+                    self.files.write_progress(self.trainer_step, self.cursor.next_batch)
+                restored = True
+        finally:
+            self._joining = False
+
+    def _zero_step(self, abstain: bool = False) -> Vote:
+        """Take part in the peers' step with zeros (no batch); ``abstain``: vote against it."""
+        plan = self.exchange_rows(NO_KEYS, present=False)
+        for p in self.dense_params:
+            p.grad = torch.zeros_like(p)
+        if abstain:
+            self.manager.report_error(RuntimeError("joining: this group lets the step pass"))
+        return self.finish(plan, torch.zeros(plan.size))
 
     def close(self) -> None:
         self.manager.shutdown(wait=False)
 
 
-def build_replica(cfg, topo, state, dense_params, optimizer, faults, run_dir: str):
+def build_replica(cfg, topo, state, dense_params, optimizer, side, faults, run_dir: str):
     """The replica layer when ``ft.enable`` is on, else a ``NullReplica``."""
     if not cfg.ft.enable:
         return NullReplica()
@@ -322,4 +445,4 @@ def build_replica(cfg, topo, state, dense_params, optimizer, faults, run_dir: st
 
         raise ConfigError("ft.enable: a replica group runs under torchrun (one torchrun job per group; "
                           "`freescale local` starts them on one host)")
-    return ReplicaLayer(cfg, topo, state, dense_params, optimizer, faults, ReplicaFiles(run_dir))
+    return ReplicaLayer(cfg, topo, state, dense_params, optimizer, side, faults, ReplicaFiles(run_dir))

@@ -72,18 +72,24 @@ def find_kernels(model: torch.nn.Module) -> list[SplitTableBatchedEmbeddingBagsC
 
 
 Touched = list
-"""(row block, local rows) pairs: the rows of each block a step writes."""
+"""(block index, local rows) pairs: the rows of each block (as ``FusedTables.blocks()`` numbers
+them) a lookup reads, which the fused update then writes."""
 
 
 class FusedTables:
     """The fused kernels of a TorchRec model, as row blocks, and the rows their lookups read.
 
-    ``reporting(sink)``: while inside, every lookup calls ``sink`` with the (row block, rows)
+    ``reporting(sink)``: while inside, every lookup calls ``sink`` with the (block index, rows)
     pairs it reads, before the kernel runs (hence before backward writes them).
     """
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.kernels = find_kernels(model)
+        self._first_block = {}
+        count = 0
+        for kernel in self.kernels:
+            self._first_block[id(kernel)] = count
+            count += len(kernel.embedding_specs)
         if not self.kernels:
             raise ValueError("the model holds no fused fbgemm embedding kernel whose rows the replica layer can "
                              "save and average (TorchRec's sharded tables with the optimizer fused into backward)")
@@ -108,7 +114,8 @@ class FusedTables:
         indices = kwargs["indices"] if "indices" in kwargs else args[0]
         offsets = kwargs["offsets"] if "offsets" in kwargs else args[1]
         rows = rows_per_table(kernel, indices, offsets, kwargs.get("batch_size_per_feature_per_rank"))
-        self._sink(list(zip(kernel_blocks(kernel), rows)))
+        first = self._first_block[id(kernel)]
+        self._sink([(first + t, r) for t, r in enumerate(rows)])
 
     def close(self) -> None:
         for hook in self._hooks:

@@ -54,6 +54,24 @@ def resolve_checkpoint(path: str) -> str:
     return found[-1][1]
 
 
+_GROUP_DIR = re.compile(r"^replica\d+$")
+
+
+def job_checkpoints(run_dir: str) -> list[tuple[int, str]]:
+    """Complete checkpoints of a run folder as (step, path), oldest first; for a replica group's
+    folder (``<job>/replica<r>``, the layout ``freescale local`` makes), every group's of the
+    job, this group's first among equal steps. Under the replica layer every group's model
+    state at a step is the job's (dense parameters and tables agree at checkpoint steps), so
+    any of them restores any group."""
+    run_dir = os.path.abspath(run_dir)
+    parent, name = os.path.split(run_dir)
+    folders = [run_dir]
+    if _GROUP_DIR.match(name) and os.path.isdir(parent):
+        folders += [os.path.join(parent, d) for d in sorted(os.listdir(parent)) if _GROUP_DIR.match(d) and d != name]
+    found = [c for folder in folders for c in list_checkpoints(os.path.join(folder, "checkpoints"))]
+    return sorted(found, key=lambda c: c[0])
+
+
 def run_dir_of(checkpoint: str) -> str:
     """The run folder a checkpoint folder belongs to."""
     return os.path.dirname(os.path.dirname(os.path.abspath(checkpoint)))

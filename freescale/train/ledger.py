@@ -4,11 +4,14 @@ With ``train.ledger: true`` every rank appends one JSON line per step to
 ``<run>/ledger/replica<R>-rank<r>.jsonl``: ``{"step", "replica", "rank", "batch",
 "sample_ids"}``. It is the instrument for exactly-once claims: over a run, every sample of
 every global batch trained must appear once across the ranks, however the balancer moved
-it, and across restarts. A launch that resumes from step N rewinds its ledger to N (the
-steps after N are trained again), so the ledger holds each trained step once.
+it, and across restarts. A launch cuts its ledger back to the batches the state it starts
+from has trained (``keep_before``: its data cursor; the records of later batches go, since
+those batches are trained again), by batch and not by step: a group that took a peer's
+state or a checkpoint of another group counts its steps from there.
 
 ``audit`` is the check, a pure function: given the records and the sample ids each global
-batch holds, it counts samples lost and samples repeated.
+batch holds, it counts samples lost and samples repeated, and says whether the run reached
+its last step at all.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ def ledger_path(run_dir: str, replica: int, rank: int) -> str:
 
 
 class Ledger:
-    def __init__(self, run_dir: str, *, replica: int, rank: int, start_step: int) -> None:
+    def __init__(self, run_dir: str, *, replica: int, rank: int, keep_before: int, position_after) -> None:
+        """``keep_before``: the data cursor the launch starts from; ``position_after(batch)``:
+        the cursor that follows a global batch of this group's shard."""
         self.path = ledger_path(run_dir, replica, rank)
         self.replica = replica
         self.rank = rank
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        rewind_jsonl(self.path, start_step)
+        rewind_jsonl(self.path, lambda record: position_after(record["batch"]) <= keep_before)
         self._file = open(self.path, "a")
 
     def record(self, step: int, batch: int, sample_ids: torch.Tensor) -> None:
@@ -57,8 +62,10 @@ class NullLedger:
         pass
 
 
-def build_ledger(enable: bool, run_dir: str, *, replica: int, rank: int, start_step: int):
-    return Ledger(run_dir, replica=replica, rank=rank, start_step=start_step) if enable else NullLedger()
+def build_ledger(enable: bool, run_dir: str, *, replica: int, rank: int, keep_before: int, position_after):
+    if not enable:
+        return NullLedger()
+    return Ledger(run_dir, replica=replica, rank=rank, keep_before=keep_before, position_after=position_after)
 
 
 def read_ledger(run_dir: str) -> list[dict]:
@@ -83,12 +90,16 @@ def expected_samples(cfg, batches, ranks: int) -> dict[int, list[int]]:
     return {int(k): source.samples_at(loader.global_positions(int(k))).sample_ids.tolist() for k in batches}
 
 
-def audit(records: list[dict], expected: dict[int, list[int]]) -> dict:
+def audit(records: list[dict], expected: dict[int, list[int]], *, reached: dict | None = None,
+          last_step: int | None = None) -> dict:
     """Samples lost and repeated: ``expected`` maps each global batch to its sample ids.
 
     A sample is lost when a batch it belongs to is in ``expected`` and no rank trained it;
     repeated for each time beyond the first that it was trained in that batch (on any rank,
-    at any step). Records of batches not in ``expected`` count as ``unexpected``.
+    at any step). Records of batches not in ``expected`` count as ``unexpected``. With
+    ``reached`` (each replica group's last committed step) and ``last_step``, the groups that
+    stopped short of it are ``unfinished``, and the run is ``complete`` only if none did:
+    nothing lost in the batches a run got to is not a finished run.
     """
     trained: dict[int, Counter] = {}
     unexpected = 0
@@ -104,4 +115,14 @@ def audit(records: list[dict], expected: dict[int, list[int]]) -> dict:
         lost += sum(1 for i in members if counts[i] == 0)
         repeated += sum(n - 1 for i, n in counts.items() if i in members and n > 1)
         unexpected += sum(n for i, n in counts.items() if i not in members)
-    return {"samples_lost": lost, "samples_repeated": repeated, "unexpected": unexpected}
+    result = {"samples_lost": lost, "samples_repeated": repeated, "unexpected": unexpected}
+    if reached is not None and last_step is not None:
+        unfinished = sorted(g for g, step in reached.items() if step < last_step)
+        result.update(unfinished=unfinished, complete=not unfinished)
+    return result
+
+
+def exactly_once(result: dict) -> bool:
+    """An audit that found every sample trained once, in a run that finished (when it says)."""
+    return (result["samples_lost"] == 0 and result["samples_repeated"] == 0 and result["unexpected"] == 0
+            and result.get("complete", True))

@@ -22,7 +22,6 @@ import torch
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
 from freescale.ft.replica import COMMITTED
-from freescale.ft.rows import FusedTables
 from freescale.profile.timeline import instrument_phases
 
 
@@ -113,33 +112,23 @@ def _base(model, optimizer, device, timeline) -> TrainPipelineBase:
 
 class VotedOptimizer:
     """The optimizer TorchRec's pipeline steps, under the replica layer. ``step`` (after
-    backward, which the fused optimizer has already written the tables in): the dense
-    gradients, already averaged over the replica's ranks by DDP, averaged over the replica
-    groups; the tables averaged when a sync is due; the vote; the dense optimizer steps only if
-    the step committed (``vote``)."""
+    backward, in which the fused optimizer has already written the tables): the rest of the
+    step across the replica groups (``ReplicaLayer.finish``: the dense gradients, already
+    averaged over the group by DDP, averaged over the groups; the tables' changes added up
+    when a sync is due; the vote; the dense optimizer steps only if the step committed)."""
 
-    def __init__(self, optimizer, replica, dense_params: list, tables: FusedTables) -> None:
+    def __init__(self, optimizer, replica) -> None:
         self.optimizer = optimizer
         self.replica = replica
-        self.dense_params = dense_params
-        self.tables = tables
         self.vote = COMMITTED
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def step(self, closure=None) -> None:
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.dense_params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self.replica.reduce_dense(flat)
-        at = 0
-        for p, g in zip(self.dense_params, grads):
-            p.grad = flat[at:at + g.numel()].view_as(g)
-            at += g.numel()
-        self.replica.sync_embeddings(self.tables.blocks())
-        self.vote = self.replica.vote()
-        if self.vote.stepped:
-            self.optimizer.step()
+        replica, tables = self.replica, self.replica.side
+        plan = replica.exchange_rows(tables.keys(replica.wait_quorum()))
+        self.vote = replica.finish(plan, tables.values(plan))
         self.optimizer.zero_grad(set_to_none=True)
 
     def __getattr__(self, name: str):
@@ -172,9 +161,9 @@ class ReplicaSparseDist(Pipeline):
     TorchRec holds in flight carry ids only, so the pipeline resumes where it was.
     """
 
-    def __init__(self, model, optimizer, device, timeline, replica, dense_params: list) -> None:
-        self.tables = FusedTables(model)
-        self.voted = VotedOptimizer(optimizer, replica, dense_params, self.tables)
+    def __init__(self, model, optimizer, device, timeline, replica) -> None:
+        self.tables = replica.side.tables
+        self.voted = VotedOptimizer(optimizer, replica)
         super().__init__(_sparse_dist(model, self.voted, device, timeline), model)
         self.replica = replica
         self.device = device
@@ -259,15 +248,14 @@ OWNED_PIPELINES = frozenset({"prioritized", "sync"})
 
 
 def build_pipeline(name: str, model: torch.nn.Module, optimizer, device: torch.device, timeline, *,
-                   group=None, transport_cfg=None, replica=None, dense_params: list | None = None):
+                   group=None, transport_cfg=None, replica=None):
     """The named pipeline; ``timeline`` receives its phase spans (a NullTimeline when not profiling);
-    ``replica``: the replica layer the step votes with, ``dense_params`` the parameters it
-    averages across the groups (TorchRec's pipelines; the owned ones know their own)."""
+    ``replica``: the replica layer the step votes with."""
     if name in OWNED_PIPELINES:
         return PIPELINES[name](model, optimizer, device, timeline, group=group, transport_cfg=transport_cfg,
                                replica=replica)
     if replica is not None and replica.enabled:
         if name != "sparse_dist":
             raise ValueError(f"train.pipeline {name} does not run under the replica layer")
-        return ReplicaSparseDist(model, optimizer, device, timeline, replica, dense_params)
+        return ReplicaSparseDist(model, optimizer, device, timeline, replica)
     return Pipeline(PIPELINES[name](model, optimizer, device, timeline), model)

@@ -58,25 +58,54 @@ class TrainerState:
 
 
 class DataCursor:
-    """The next global batch to train: the loader resumes there.
+    """The next batch to train of this group's shard of the stream; under the replica layer,
+    every group's.
 
     Pipelines and the balancer read batches ahead of training, so the cursor follows the
     batches *trained* (``advance_past``), not the loader's read position.
+
+    With several replica groups (``groups`` > 1) the cursor holds every group's next batch,
+    one slot per group, and travels with the model state: each committed step brings every
+    other group's cursor as that step left it (``freescale.ft.row_exchange``), so a group
+    that takes a peer's state (catch-up) or a checkpoint takes, with it, exactly which of its
+    own batches that state has trained.
     """
 
-    def __init__(self, loader) -> None:
+    def __init__(self, loader, groups: int = 1) -> None:
         self.loader = loader
-        self.next_batch = loader.next_batch
+        self.shard = loader.shard if groups > 1 else 0
+        self.positions = [0] * groups
+        self.positions[self.shard] = loader.next_batch
+
+    @property
+    def next_batch(self) -> int:
+        return self.positions[self.shard]
+
+    def stream(self):
+        """The loader's (batch index, samples) from the cursor on. Loading a state afterwards
+        leaves the stream where it is (a group that catches up mid-run keeps the batches its
+        pipeline holds)."""
+        self.loader.load_state_dict({"next_batch": self.next_batch})
+        return self.loader.iter_samples()
 
     def advance_past(self, batch_index: int) -> None:
-        self.next_batch = self.loader.position_after(batch_index)
+        self.positions[self.shard] = self.loader.position_after(batch_index)
 
     def state_dict(self) -> dict:
-        return {"next_batch": torch.tensor(self.next_batch, dtype=torch.int64)}
+        state = {"next_batch": torch.tensor(self.next_batch, dtype=torch.int64)}
+        if len(self.positions) > 1:
+            state["groups"] = torch.tensor(self.positions, dtype=torch.int64)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
-        self.next_batch = int(state["next_batch"])
-        self.loader.load_state_dict({"next_batch": self.next_batch})
+        if "groups" in state:
+            positions = [int(p) for p in state["groups"]]
+            if len(positions) != len(self.positions):
+                raise ValueError(f"the state holds data cursors of {len(positions)} replica group(s), "
+                                 f"this job has {len(self.positions)} (ft.num_replicas)")
+            self.positions = positions
+        else:
+            self.positions[self.shard] = int(state["next_batch"])
 
 
 class RNGState:

@@ -36,7 +36,10 @@ from freescale.config import ConfigError, ExperimentConfig, write_config
 from freescale.data.loader import BatchLoader, SampleSource, build_sources, eval_batches
 from freescale.distributed import Topology
 from freescale.faults import build_faults
+from freescale.embedding.replicated import OwnedRows
 from freescale.ft.replica import ReplicaFiles, build_replica
+from freescale.ft.rows import FusedTables
+from freescale.ft.table_sync import TableSync
 from freescale.io import write_json_atomic
 from freescale.logging import log_file_path, log_to_file, setup_logging
 from freescale.model.seqrec import SeqRecModel
@@ -46,7 +49,7 @@ from freescale.model.sharding import (build_dense_optimizer, build_optimizer, de
 from freescale.profile.report import write_report
 from freescale.profile.straggler import inject_delay
 from freescale.profile.timeline import build_timeline
-from freescale.train.checkpoint import Checkpointer, resolve_checkpoint, run_dir_of
+from freescale.train.checkpoint import Checkpointer, job_checkpoints, resolve_checkpoint, run_dir_of
 from freescale.train.ledger import build_ledger
 from freescale.train.metrics import HeldOutMetrics, MetricsLog, read_metrics, require_tensorboard
 from freescale.train.pipelines import OWNED_PIPELINES, Pipeline, build_pipeline
@@ -152,28 +155,14 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         model = shard_model(model, cfg.embedding, topo, device)
         optimizer = build_optimizer(model, cfg.train)
 
-    # State that survives a restart; resume it from the checkpoint, and rewind the logs to it.
+    # State that survives a restart; resume it from the checkpoint.
     trainer = TrainerState()
-    cursor = DataCursor(loader)
+    cursor = DataCursor(loader, groups=cfg.ft.num_replicas if cfg.ft.enable else 1)
     state = TrainingState(model=model, optimizer=optimizer, trainer=trainer, data=cursor, rng=RNGState(topo.rank))
     checkpointer = Checkpointer(run_dir, cfg.checkpoint, rank=topo.rank, group=group)
     if resume_from:
         checkpointer.load(resume_from, state)
         log.info(f"resumed from {resume_from} at step {trainer.step}")
-    first_step = trainer.step
-    # A replica group that comes back resumes its own data shard where its last committed step
-    # ended; its model state comes from a healthy peer at its first step (unless it resumes
-    # from a checkpoint, whose cursor is the one that matches its state).
-    rejoin = ReplicaFiles(run_dir).read_cursor() if cfg.ft.enable and not resume_from else None
-    if rejoin:
-        cursor.load_state_dict({"next_batch": torch.tensor(rejoin["next_batch"])})
-        log.info(f"replica {cfg.ft.replica_id} rejoins: its shard continues at batch "
-                 f"{loader.batch_at(cursor.next_batch)} (its last committed step: {rejoin['step']})")
-    logged_to = rejoin["step"] if rejoin else first_step
-    metrics = MetricsLog(run_dir, enabled=topo.is_main, start_step=logged_to, tensorboard=cfg.run.tensorboard)
-    closing.callback(metrics.close)
-    ledger = build_ledger(cfg.train.ledger, run_dir, replica=topo.replica_id, rank=topo.rank, start_step=logged_to)
-    closing.callback(ledger.close)
 
     # Profiling: per-step timelines (a NullTimeline when off), phase spans, straggler injection.
     timeline = build_timeline(cfg.profile, run_dir, rank=topo.rank, world_size=topo.world_size, threads=threads,
@@ -189,21 +178,33 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     if topo.is_main and cfg.balance.enable:
         balancer.cost_model.save(os.path.join(run_dir, "cost_model.json"))
 
-    # The loop. Python's collector runs on a schedule shared by all ranks: left to itself it
-    # pauses one rank at a time, and every pause becomes a straggler bubble on the others.
+    # The replica layer (a NullReplica when ft is off) and the pipeline. A group that has run
+    # before settles its state with the others before it draws a batch: it catches up from a
+    # live group that is ahead, or, when every group was lost, loads the job's newest checkpoint.
     faults = build_faults(cfg.fault, topo.rank, cfg.ft.replica_id if cfg.ft.enable else None, run_dir)
-    collector = GarbageCollector(cfg.train.gc_every)
-    closing.callback(collector.close)
-    # The replica layer (a NullReplica when ft is off), made last: the lighthouse counts this
-    # group in from here, and the loop starts at once.
     dense_params = dense_parameters(model.task if owned else model)
-    replica = build_replica(cfg, topo, state, dense_params, optimizer if owned else dense_part(optimizer), faults,
-                            run_dir)
+    replica = build_replica(cfg, topo, state, dense_params, optimizer if owned else dense_part(optimizer),
+                            table_side(cfg, model, owned), faults, run_dir)
     closing.callback(replica.close)
     pipeline = build_pipeline(cfg.train.pipeline, model, optimizer, device, timeline, group=group,
-                              transport_cfg=cfg.transport, replica=replica, dense_params=dense_params)
+                              transport_cfg=cfg.transport, replica=replica)
     closing.callback(pipeline.close)
-    batches = timeline.timed_batches(balancer.batches(loader.iter_samples()))
+    if cfg.ft.enable and _has_run_before(run_dir):
+        replica.join(None if resume_from else lambda: _restore_newest(checkpointer, state, run_dir, log))
+    first_step = trainer.step
+
+    # The logs, cut back to the state the loop starts from (what comes after is trained again).
+    metrics = MetricsLog(run_dir, enabled=topo.is_main, start_step=trainer.step, tensorboard=cfg.run.tensorboard)
+    closing.callback(metrics.close)
+    ledger = build_ledger(cfg.train.ledger, run_dir, replica=topo.replica_id, rank=topo.rank,
+                          keep_before=cursor.next_batch, position_after=loader.position_after)
+    closing.callback(ledger.close)
+
+    # The loop. Python's collector runs on a schedule shared by all ranks: left to itself it
+    # pauses one rank at a time, and every pause becomes a straggler bubble on the others.
+    collector = GarbageCollector(cfg.train.gc_every)
+    closing.callback(collector.close)
+    batches = timeline.timed_batches(balancer.batches(cursor.stream()))
     window = StepWindow()
     started = time.perf_counter()
     while trainer.step < cfg.train.steps:
@@ -214,11 +215,6 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         if not vote.stepped:
             continue  # rolled back: the same batch again
         trainer.step += 1
-        if rejoin:
-            if trainer.step <= rejoin["step"]:
-                raise RuntimeError(f"replica {cfg.ft.replica_id} came back at step {rejoin['step']} but no live replica "
-                                   f"is ahead of it to catch up from; resume it from a checkpoint (checkpoint.resume)")
-            rejoin = None
         timeline.end_step(trainer.step, out)
         collector.step(trainer.step)
         if vote.trained:  # (a group that caught up in this step trains its batch in the next)
@@ -235,6 +231,7 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
             pipeline.drain()  # every update the trained batches owe is in the tables
             log.info(f"checkpoint {checkpointer.save(trainer.step, state)}", extra={"step": trainer.step})
 
+    replica.check_group("the end of the run")
     pipeline.drain()
     # Summary and the bubble report.
     summary = {
@@ -259,6 +256,37 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         write_json_atomic(os.path.join(run_dir, "summary.json"), summary)
     dist.barrier(group=group)
     return summary
+
+
+def table_side(cfg: ExperimentConfig, model, owned: bool):
+    """What the replica layer does with the tables across the groups: FreeScale's own, sum each
+    step's row gradients; TorchRec's, add up the groups' changes every ``ft.embedding_sync_every``
+    steps (None without the layer)."""
+    if not cfg.ft.enable:
+        return None
+    if owned:
+        return OwnedRows(model.tables)
+    return TableSync(FusedTables(model), every=cfg.ft.embedding_sync_every, checkpoint_every=cfg.checkpoint.every,
+                     last_step=cfg.train.steps)
+
+
+def _has_run_before(run_dir: str) -> bool:
+    """A replica group that committed steps in this folder, or a job with checkpoints."""
+    return ReplicaFiles(run_dir).read_cursor() is not None or bool(job_checkpoints(run_dir))
+
+
+def _restore_newest(checkpointer: Checkpointer, state: TrainingState, run_dir: str, log: logging.Logger) -> None:
+    """Load the job's newest checkpoint (this group's first among equal steps)."""
+    found = job_checkpoints(run_dir)
+    if not found:
+        log.warning("no checkpoint in this job: training starts again from step 0 (set checkpoint.every to "
+                    "limit what a loss of every group costs)")
+        return
+    own = os.path.abspath(run_dir)
+    newest = min((c for c in found if c[0] == found[-1][0]), key=lambda c: not c[1].startswith(own))
+    checkpointer.load(newest[1], state)
+    log.warning(f"resumed from the newest checkpoint of the job, step {newest[0]} ({newest[1]}); "
+                f"what was trained after it is trained again")
 
 
 class GarbageCollector:

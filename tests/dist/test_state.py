@@ -39,7 +39,7 @@ class Replica:
 
     def train(self, steps: int) -> list[float]:
         losses = []
-        batches = NullBalancer(self.user_hash_size).batches(self.loader.iter_samples())
+        batches = NullBalancer(self.user_hash_size).batches(self.cursor.stream())
         for _ in range(steps):
             batch = next(batches)
             loss, _ = self.model(batch)
@@ -80,7 +80,7 @@ def _transfer(rank, world):
 
     joiner.state.load_state_dict(healthy.state.state_dict())
 
-    assert joiner.trainer.step == 3 and joiner.loader.next_batch == 3
+    assert joiner.trainer.step == 3 and joiner.cursor.next_batch == 3
     before = healthy.tensors()
     after = joiner.tensors()
     assert before.keys() == after.keys() and any(k.startswith("optimizer") for k in before)
@@ -90,14 +90,13 @@ def _transfer(rank, world):
     for name, value in healthy.tensors().items():
         assert torch.equal(joiner.tensors()[name], value), name
 
-    # As the replica layer moves it: a copy holding each sharded tensor's local shards, the
-    # data cursor left out, loaded in place into another replica's own storage.
+    # As the replica layer moves it: a copy holding each sharded tensor's local shards, loaded
+    # in place into another replica's own storage.
     sent, taken = transfer_state(healthy.state.state_dict()), healthy.tensors()
-    del sent["data"]
     healthy.train(1)  # the copy is the state as it was when taken
     copied = Replica(cfg, topo, seed=2)
     load_transferred(copied.state, sent)
-    assert copied.trainer.step == 6 and copied.loader.next_batch == 0
+    assert copied.trainer.step == 6 and copied.cursor.next_batch == 6
     for name, value in taken.items():
         assert torch.equal(copied.tensors()[name], value), name
 

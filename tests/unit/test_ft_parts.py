@@ -3,6 +3,7 @@ catches up, cursor files, faults under the layer, data shards, config checks, th
 
 import json
 import os
+import time
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ from freescale.data.loader import BatchLoader
 from freescale.data.synthetic import SyntheticSource
 from freescale.faults import FaultInjector, NullFaults, build_faults
 from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse
-from freescale.local import descendants, longest_gap, parse_kills
-from freescale.ft.replica import ReplicaFiles, transfer_state
+from freescale.local import ALL, descendants, longest_gap, parse_kills
+from freescale.ft.catchup import load_into, transfer_state
+from freescale.ft.replica import ReplicaFiles
 from helpers.launch import REPO, freescale
 
 FT_LOCAL = REPO / "configs" / "ft_local.yaml"
@@ -21,8 +23,10 @@ FT_LOCAL = REPO / "configs" / "ft_local.yaml"
 
 def test_kill_plans_parse_and_bad_ones_name_the_item():
     assert [(k.replica, k.step) for k in parse_kills("1@10, 0@30", replicas=2, steps=100)] == [(0, 30), (1, 10)]
+    assert [(k.replica, k.step) for k in parse_kills("all@50", replicas=2, steps=100)] == [(ALL, 50)]
     assert parse_kills("", replicas=2, steps=100) == []
-    for text, message in [("1-10", "expected REPLICA@STEP"), ("2@10", "replica 2 does not exist"),
+    for text, message in [("1-10", "expected REPLICA@STEP"), ("any@3", "expected REPLICA@STEP or all@STEP"),
+                          ("2@10", "replica 2 does not exist"),
                           ("0@100", "expected a step in 1..99"), ("0@0", "expected a step in 1..99")]:
         with pytest.raises(ConfigError, match=message):
             parse_kills(text, replicas=2, steps=100)
@@ -42,6 +46,39 @@ def test_the_transferred_state_is_a_copy_the_live_state_cannot_change():
     live.add_(1.0)
     assert torch.equal(copy["model"]["w"], torch.ones(4)) and copy["model"]["n"] == 3
     assert int(copy["trainer"]["step"]) == 7
+
+
+@pytest.fixture
+def one_rank():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+
+
+def test_sharded_states_are_sent_as_copies_of_their_local_shards_and_land_in_place(one_rank):
+    from torch.distributed._shard.sharded_tensor import Shard as LocalShard
+    from torch.distributed._shard.sharded_tensor import ShardMetadata, init_from_local_shards
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh("cpu", [0])
+    dtensor = DTensor.from_local(torch.ones(4, 2), mesh, [Shard(0)])
+    sharded = init_from_local_shards([LocalShard(torch.ones(3, 2), ShardMetadata([0, 0], [3, 2], "rank:0/cpu"))],
+                                     [3, 2])
+    copy = transfer_state({"tables": {"d": dtensor, "s": sharded}})
+    assert isinstance(copy["tables"]["d"], torch.Tensor) and len(copy["tables"]["s"]) == 1
+    dtensor.to_local().add_(1.0)  # the peer goes on training after the copy is taken
+    sharded.local_shards()[0].tensor.add_(1.0)
+    assert torch.equal(copy["tables"]["d"], torch.ones(4, 2)) and torch.equal(copy["tables"]["s"][0], torch.ones(3, 2))
+    # Loaded into a live state, the values land in its own storage.
+    live_d, live_s = dtensor.to_local(), sharded.local_shards()[0].tensor
+    loaded = load_into({"d": dtensor, "s": sharded}, copy["tables"])
+    assert loaded["d"] is dtensor and loaded["s"] is sharded
+    assert torch.equal(live_d, torch.ones(4, 2)) and torch.equal(live_s, torch.ones(3, 2))
+    with pytest.raises(ValueError, match="holds 2 local shard"):
+        load_into(sharded, [torch.ones(3, 2), torch.ones(3, 2)])
 
 
 def test_the_cursor_round_trips_and_a_bad_one_is_named(tmp_path):
@@ -66,11 +103,15 @@ def test_faults_under_the_layer_pick_groups_and_fire_once(tmp_path):
     faults.at("allreduce", 2)
     with pytest.raises(RuntimeError, match="injected fault at step 3 during allreduce"):
         faults.at("allreduce", 3)
-    build_faults(cfg, rank=0, replica=1, run_dir=str(tmp_path)).at("allreduce", 3)  # fired already: nothing
-    catch_up = FaultInjector(5, "raise", rank=0, during="catch_up")
-    catch_up.at("catch_up", 4)
-    with pytest.raises(RuntimeError, match="during catch-up"):
-        catch_up.at("catch_up", 9)  # the first catch-up at or after step 5
+    build_faults(cfg, rank=0, replica=1, run_dir=str(tmp_path)).at("allreduce", 3)  # struck already: nothing
+    recover = FaultInjector(5, "raise", rank=0, during="recover")
+    recover.at("recover", 4)
+    with pytest.raises(RuntimeError, match="during recover"):
+        recover.at("recover", 9)  # the first catch-up at or after step 5
+    delay = FaultInjector(2, "delay", rank=0, during="quorum", delay_s=0.2)
+    started = time.monotonic()
+    delay.at("quorum", 2)
+    assert time.monotonic() - started >= 0.2
 
 
 def test_each_group_trains_its_own_shard_of_the_stream():
@@ -90,7 +131,9 @@ def test_config_checks_of_the_layer():
     for overrides, message in [(["ft.replica_id=2", "ft.num_replicas=2"], "ft.replica_id: expected < ft.num_replicas"),
                                (["ft.min_replicas=3", "ft.num_replicas=2"], "ft.min_replicas: expected <="),
                                (["train.pipeline=base"], "ft.enable: the replica layer votes on the steps of .* got base"),
-                               (["ft.enable=false", "fault.during=allreduce"], "fault.during: allreduce needs the replica layer")]:
+                               (["ft.enable=false", "fault.during=allreduce"], "fault.during: allreduce needs the replica layer"),
+                               (["ft.enable=false", "fault.fail_commit_at=[3]"], "fault.fail_commit_at: needs the replica layer"),
+                               (["fault.fail_commit_at=[0]"], "fault.fail_commit_at: expected steps >= 1")]:
         with pytest.raises(ConfigError, match=message):
             load_config(FT_LOCAL, overrides)
 
@@ -153,3 +196,63 @@ def test_sqrt_lr_scaling_follows_the_participants():
         participants.n = n
         layer._scale_lr()
         assert [g["lr"] for g in inner.param_groups] == [pytest.approx(0.01 * scale)]
+
+
+def test_faults_strike_from_wrappers_around_torchfts_parts(tmp_path):
+    from torch.distributed.distributed_c10d import AllreduceOptions
+    from torchft.process_group import ProcessGroupDummy
+
+    from freescale.faults import InjectedFault
+    from freescale.ft.faults import (FaultyManager, FaultyProcessGroup, FaultyTransport, wrap_manager,
+                                     wrap_process_group, wrap_transport)
+
+    # Nothing declared: the parts themselves.
+    parts = object()
+    assert wrap_process_group(parts, NullFaults(), lambda: 1) is parts and wrap_transport(parts, NullFaults()) is parts
+    assert wrap_manager(parts, NullFaults(), []) is parts
+
+    # The step's all-reduce, through a process group that keeps wrapping after an abort.
+    step = {"n": 2}
+    pg = FaultyProcessGroup(ProcessGroupDummy(0, 1), FaultInjector(3, "raise", rank=0, during="allreduce"),
+                            lambda: step["n"])
+    pg.allreduce([torch.ones(2)], AllreduceOptions()).wait()
+    step["n"] = 3
+    with pytest.raises(InjectedFault, match="at step 3 during allreduce"):
+        pg.allreduce([torch.ones(2)], AllreduceOptions())
+    inner = pg.parent
+    pg.abort()
+    assert pg.parent is inner
+
+    # Fetching a peer's state: the catch-up is the step after the peer's last.
+    class Transport:
+        def recv_checkpoint(self, src_rank, metadata, step, timeout):
+            return {"step": step}
+
+    transport = FaultyTransport(Transport(), FaultInjector(5, "raise", rank=1, during="recover"))
+    assert transport.recv_checkpoint(0, "", 3, None) == {"step": 3}
+    with pytest.raises(InjectedFault, match="at step 5 during recover on rank 1"):
+        transport.recv_checkpoint(0, "", 4, None)
+
+    # The quorum, and commit failures declared once per step.
+    class Manager:
+        step, errors = 3, []
+
+        def current_step(self):
+            return self.step
+
+        def start_quorum(self):
+            pass
+
+        def report_error(self, e):
+            self.errors.append(str(e))
+
+        def should_commit(self):
+            return not self.errors
+
+    manager = FaultyManager(Manager(), FaultInjector(4, "raise", rank=0, during="quorum"), fail_commit_at=[4])
+    with pytest.raises(InjectedFault, match="at step 4 during quorum"):
+        manager.start_quorum()
+    assert manager.should_commit() is False and manager.errors == ["injected commit failure at step 4"]
+    manager.errors.clear()
+    assert manager.should_commit() is True  # the step trained again commits
+    assert manager.current_step() == 3  # everything else is the manager's

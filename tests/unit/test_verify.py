@@ -49,3 +49,17 @@ def test_missing_or_reshaped_state_is_a_difference():
     assert not compare([0.5], [0.5], state(w), other)[2]
     _, worst, equal = compare([0.5], [0.5], state(w), state(torch.randn(4, 3)))
     assert not equal and worst["embedding rows"] == math.inf
+
+
+def test_nan_against_nan_in_the_state_is_not_equal():
+    # The same bits on both sides: only the NaN guard keeps two runs that diverged alike apart.
+    nan = torch.full((3, 4), float("nan"))
+    steps, worst, equal = compare([0.5], [0.5], state(nan), state(nan.clone()))
+    assert not equal and worst["embedding rows"] == math.inf
+
+
+def test_an_extra_key_is_a_difference():
+    w = torch.randn(3, 4)
+    extra = state(w)
+    extra["dense parameters"]["b"] = torch.zeros(2)
+    assert not compare([0.5], [0.5], state(w), extra)[2]

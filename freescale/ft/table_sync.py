@@ -1,0 +1,162 @@
+"""TorchRec's tables across replica groups: every group's changes since the last sync, added up.
+
+TorchRec's sharded tables update their rows inside backward (the optimizer is fused into
+fbgemm's kernels), so the replica layer cannot sum a step's row gradients across the groups
+before they are applied, as it does for FreeScale's own tables. Each group updates its own
+copy with its own batches, and every ``ft.embedding_sync_every`` steps (and at every
+checkpoint and at the last step) the copies are made one again: each row some group changed
+since the last sync becomes its value at that sync plus the sum of every group's change to it,
+for the weights and the optimizer's per-row state alike. Averaging the copies instead (what
+TorchRec's ``DMPCollection`` does) would divide a group's update of a row that only it
+touched by the number of groups.
+
+Per row block (``freescale.ft.rows``) a group keeps, for the rows it touched since the last
+sync, their values at that sync (``base``) and the values its own changes count from
+(``start``: the same, except in a group that caught up since, whose changes count from the
+peer's state it took). Rows go in as the forward pre-hook reports them, before backward writes
+them; the rows a step writes are also saved, so that a failed vote puts them back.
+
+The sync is the row exchange of ``freescale.ft.row_exchange`` with each row's change as its
+values; a group that catches up in a sync step contributes nothing and takes the result on top
+of the peer's state it loads.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from freescale.ft.row_exchange import RowPlan, RowSpace
+from freescale.ft.rows import FusedTables
+
+NO_KEYS = torch.zeros(0, dtype=torch.int64)
+
+
+class _Touched(NamedTuple):
+    rows: torch.Tensor
+    base: torch.Tensor
+    start: torch.Tensor
+
+
+def _width(t: torch.Tensor) -> int:
+    return int(t[0].numel()) if t.dim() > 1 else 1
+
+
+class TableSync:
+    """TorchRec's fused tables under the replica layer (the layer's *table side*)."""
+
+    def __init__(self, tables: FusedTables, *, every: int, checkpoint_every: int, last_step: int) -> None:
+        self.tables = tables
+        self.blocks = tables.blocks()
+        self.space = RowSpace(tuple(int(b[0].shape[0]) for b in self.blocks),
+                              tuple(sum(_width(t) for t in b) for b in self.blocks))
+        self.every = every
+        self.checkpoint_every = checkpoint_every
+        self.last_step = last_step
+        self._touched: list[_Touched | None] = [None] * len(self.blocks)
+        self._saved: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+
+    def due(self, step: int) -> bool:
+        """A sync step: every ``every`` steps, every checkpoint step and the last."""
+        return any(n and step % n == 0 for n in (self.every, self.checkpoint_every)) or step == self.last_step
+
+    # Rows as flat values: a block's tensors side by side ------------------------------------
+
+    def _read(self, block: int, rows: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t[rows].reshape(len(rows), -1) for t in self.blocks[block]], dim=1)
+
+    def _write(self, block: int, rows: torch.Tensor, values: torch.Tensor) -> None:
+        at = 0
+        with torch.no_grad():
+            for t in self.blocks[block]:
+                w = _width(t)
+                t[rows] = values[:, at:at + w].reshape(t[rows].shape)
+                at += w
+
+    # The step ------------------------------------------------------------------------------
+
+    def touch(self, touched) -> None:
+        """Rows a lookup reads, before backward writes them: saved for a rollback, and kept
+        with their values if this group had not touched them since the last sync."""
+        for block, ids in touched:
+            rows = torch.unique(ids)
+            values = self._read(block, rows)
+            self._saved.append((block, rows, values))
+            kept = self._touched[block]
+            new = rows if kept is None else rows[~torch.isin(rows, kept.rows)]
+            if not new.numel():
+                continue
+            first = values[torch.searchsorted(rows, new)]
+            if kept is None:
+                self._touched[block] = _Touched(new, first, first.clone())
+            else:
+                self._touched[block] = _Touched(torch.cat([kept.rows, new]), torch.cat([kept.base, first]),
+                                                torch.cat([kept.start, first]))
+
+    def keys(self, step: int) -> torch.Tensor:
+        """At a sync step, the keys of every row this group touched since the last one."""
+        if not self.due(step):
+            return NO_KEYS
+        parts = [self.space.keys(b, torch.sort(t.rows).values) for b, t in enumerate(self._touched) if t is not None]
+        return torch.cat(parts) if parts else NO_KEYS
+
+    def values(self, plan: RowPlan) -> torch.Tensor:
+        """This group's change to each row of ``plan`` since the last sync (zero where none)."""
+        out = torch.zeros(plan.size)
+        for block, kept in enumerate(self._touched):
+            if kept is None or not plan.rows(block).numel():
+                continue
+            rows, where = self._kept_among(kept, plan.rows(block))
+            plan.scatter(block, rows, self._read(block, rows) - kept.start[where], out)
+        return out
+
+    def apply(self, plan: RowPlan, summed: torch.Tensor) -> None:
+        """After a committed sync step: every row of ``plan`` becomes its value at the last sync
+        plus the groups' changes."""
+        if not plan.keys.numel():
+            return
+        for block in range(len(self.blocks)):
+            rows = plan.rows(block)
+            if not rows.numel():
+                continue
+            base = self._read(block, rows)  # an untouched row is still at its value of the last sync
+            kept = self._touched[block]
+            if kept is not None:
+                mine, where = self._kept_among(kept, rows)
+                base[torch.searchsorted(rows, mine)] = kept.base[where]
+            self._write(block, rows, base + plan.values(summed, block))
+        self._touched = [None] * len(self.blocks)
+
+    @staticmethod
+    def _kept_among(kept: _Touched, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the ``rows`` this group kept, where each sits in ``kept``)."""
+        order = torch.argsort(kept.rows)
+        sorted_rows = kept.rows[order]
+        at = torch.searchsorted(sorted_rows, rows).clamp(max=len(sorted_rows) - 1)
+        hit = sorted_rows[at] == rows
+        return rows[hit], order[at[hit]]
+
+    def committed(self) -> None:
+        self._saved = []
+
+    def rollback(self) -> None:
+        """Put back every row the step wrote, as it was before the step."""
+        for block, rows, values in reversed(self._saved):
+            self._write(block, rows, values)
+        self._saved = []
+
+    # What a group that catches up takes ---------------------------------------------------
+
+    def state_dict(self) -> dict:
+        return {"rows": [t.rows if t is not None else NO_KEYS for t in self._touched],
+                "base": [t.base if t is not None else torch.zeros(0) for t in self._touched]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """A peer's touched rows and their values at the last sync (after the tables were
+        loaded: this group's own changes count from the peer's values); ``{}``: none."""
+        self._saved = []
+        self._touched = [None] * len(self.blocks)
+        for block, (rows, base) in enumerate(zip(state.get("rows", []), state.get("base", []))):
+            if rows.numel():
+                self._touched[block] = _Touched(rows, base, self._read(block, rows))
