@@ -1,11 +1,10 @@
-"""Benchmark of the replica layer against synchronous restart under the same failure schedule.
+"""Benchmark of the replica layer against synchronous restart: goodput and quality under failures.
 
     .venv/bin/python scripts/bench_ft.py [--replicas 2] [--nproc 1] [--steps 1200] [--fail-at 100 600]
-        [--checkpoint-every 50] [--restart-delay 1] [--repeats 3] [--set section.key=value ...]
+        [--checkpoint-every 50] [--restart-delay 1] [--repeats 3] [--set section.key=value ...] [--out PATH]
 
-Both variants train ``configs/ft_local.yaml`` (``train.pipeline: sync``) with the same ranks,
-the same global batch and the same steps, through ``freescale local``; the variants alternate
-within each repetition:
+Both variants train ``configs/ft_local.yaml`` (``train.pipeline: sync``) with the same ranks, the
+same global batch and the same steps, through ``freescale local``:
 
 - ``replica_layer``: ``--replicas`` groups of ``--nproc`` ranks; at every step of ``--fail-at``
   one group (the last, then the one before, ...) is SIGKILLed and restarted after
@@ -15,22 +14,27 @@ within each repetition:
   SIGKILLed and, after the same delay, restarted from its last checkpoint (the steps since are
   trained again): what a job without the replica layer does on any failure.
 
-Per run, from the commit log of every group (one line per committed step, with its time):
+Each variant runs clean (no failure) and under the failures; per repetition the four runs
+alternate in order. Per run, from every group's ledger and commit log:
 
-- effective training time (ETT): the steps' worth of failure-free training over the wall time
-  they took, ``steps x median step time / (time of the last step's first commit - start of
-  step 1)``; 1.0 is a run that lost nothing;
-- stall per failure: the longest time the job made no new progress (no group committed a step
-  it had not committed before) around each failure;
-- samples lost and repeated, from the ledger of every group.
+- samples per second: the samples in the trained model (every group's ledger, which keeps a
+  batch once however often it was trained) over the wall time from the start of step 1 to the
+  first commit of the last step;
+- goodput: a variant's samples per second under the failures over the same variant's clean
+  samples per second (1.0: the failures cost nothing). A step the replica layer commits while
+  a group is down carries that step's surviving groups' samples only, and counts as such;
+- stall per failure: the longest time the job committed no new step around each failure;
+- held-out AUC and NE at the end (``data.eval_samples`` held-out samples), to be read against
+  the spread of the clean runs.
 
-Results go to ``runs/bench_ft.json``; the table shows means and spread (min-max) and the ratio.
+Results go to ``--out`` (default ``runs/bench_ft.json``); the table shows means and spread.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import statistics
 import sys
@@ -40,8 +44,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from freescale.local import read_commits, run_local  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
+from freescale.local import read_commits, run_local  # noqa: E402
+from freescale.train.ledger import read_ledger  # noqa: E402
 
 CONFIG = os.path.join(REPO, "configs", "ft_local.yaml")
 VARIANTS = ("replica_layer", "sync_restart")
@@ -59,8 +64,7 @@ def progress_times(run_dir: str, groups: int) -> dict[int, float]:
 def measure(run_dir: str, groups: int, steps: int, kills: list[float]) -> dict:
     first = progress_times(run_dir, groups)
     times = [first[s] for s in sorted(first)]
-    gaps = sorted(b - a for a, b in zip(times, times[1:]))
-    step_s = statistics.median(gaps)
+    step_s = statistics.median(b - a for a, b in zip(times, times[1:]))
     start = first[1] - step_s
     wall = first[steps] - start
     stalls = []
@@ -68,31 +72,37 @@ def measure(run_dir: str, groups: int, steps: int, kills: list[float]) -> dict:
         before = max((x for x in times if x <= t), default=start)
         after = min((x for x in times if x > t), default=first[steps])
         stalls.append(after - before)
-    return {"ett": round(steps * step_s / wall, 4), "step_ms": round(1e3 * step_s, 2), "wall_s": round(wall, 2),
-            "stall_s": [round(s, 3) for s in stalls]}
+    samples = sum(len(r["sample_ids"]) for g in range(groups) for r in read_ledger(os.path.join(run_dir, f"replica{g}")))
+    return {"samples": samples, "wall_s": round(wall, 2), "samples_per_s": round(samples / wall, 2),
+            "step_ms": round(1e3 * step_s, 2), "stall_s": [round(s, 3) for s in stalls]}
 
 
-def run_variant(variant: str, args, overrides: list[str], root: str) -> dict:
-    run_dir = os.path.join(root, f"{variant}-{time.time_ns()}")
-    common = [*overrides, f"train.steps={args.steps}", "train.ledger=true", "checkpoint.at_end=false"]
+def run_variant(variant: str, failures: bool, args, overrides: list[str], root: str) -> dict:
+    run_dir = os.path.join(root, f"{variant}-{'failures' if failures else 'clean'}-{time.time_ns()}")
+    common = [*overrides, f"train.steps={args.steps}", "train.ledger=true", "checkpoint.at_end=false",
+              f"data.eval_samples={args.eval_samples}"]
     if variant == "replica_layer":
         kills = ",".join(f"{args.replicas - 1 - i % args.replicas}@{s}" for i, s in enumerate(args.fail_at))
         groups, nproc, resume = args.replicas, args.nproc, False
-        common += ["checkpoint.every=0"]
     else:
         kills = ",".join(f"0@{s}" for s in args.fail_at)
         groups, nproc, resume = 1, args.replicas * args.nproc, True
-        common += [f"checkpoint.every={args.checkpoint_every}"]
-    log = io.StringIO()
-    summary = run_local(CONFIG, [*common, f"run.dir={run_dir}"], replicas=groups, nproc=nproc, kills=kills,
-                        restart_delay=args.restart_delay, resume=resume, out=log, progress_every_s=1e9)
+    common += [f"checkpoint.every={args.checkpoint_every}"]
+    summary = run_local(CONFIG, [*common, f"run.dir={run_dir}"], replicas=groups, nproc=nproc,
+                        kills=kills if failures else "", restart_delay=args.restart_delay, resume=resume, out=io.StringIO(),
+                        progress_every_s=1e9)
+    if not all(g["exit_code"] == 0 for g in summary["groups"]):
+        raise RuntimeError(f"{variant}: a group failed; see {run_dir}")
     kill_times = sorted(f["down_at"] for g in summary["groups"] for f in g["failures"])
     result = measure(run_dir, groups, args.steps, kill_times)
-    result.update(ledger=summary["ledger"], failures=len(kill_times),
-                  exit_codes=[g["exit_code"] for g in summary["groups"]])
-    print(f"  {variant:<14} ETT {result['ett']:.3f} | step {result['step_ms']:.1f} ms | wall {result['wall_s']:.1f} s"
-          f" | stall per failure {', '.join(f'{s:.2f}' for s in result['stall_s'])} s | lost "
-          f"{summary['ledger']['samples_lost']} repeated {summary['ledger']['samples_repeated']}", flush=True)
+    with open(os.path.join(run_dir, "replica0", "summary.json")) as f:
+        final = json.load(f)
+    result.update(auc=final["eval/auc"], ne=final["eval/ne"], ledger=summary["ledger"], failures=len(kill_times))
+    ledger = summary["ledger"]
+    print(f"  {variant:<14} {'failures' if failures else 'clean':<9} {result['samples_per_s']:8.1f} samples/s | "
+          f"{result['samples']} samples in {result['wall_s']:.1f} s | stall per failure "
+          f"{', '.join(f'{s:.2f}' for s in result['stall_s']) or '-'} s | auc {result['auc']:.4f} ne {result['ne']:.4f} | "
+          f"lost {ledger['samples_lost']} repeated {ledger['samples_repeated']}", flush=True)
     return result
 
 
@@ -108,33 +118,44 @@ def main() -> None:
     parser.add_argument("--fail-at", type=int, nargs="+", default=[100, 600])
     parser.add_argument("--checkpoint-every", type=int, default=50)
     parser.add_argument("--restart-delay", type=float, default=1.0)
+    parser.add_argument("--eval-samples", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for both variants")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_ft.json"))
     args = parser.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     started = time.time()
-    runs = {v: [] for v in VARIANTS}
+    order = [(v, f) for v in VARIANTS for f in (False, True)]
+    runs = {f"{v}/{'failures' if f else 'clean'}": [] for v, f in order}
     with tempfile.TemporaryDirectory(prefix="bench_ft-") as root:
         for rep in range(args.repeats):
             print(f"repetition {rep + 1}/{args.repeats}", flush=True)
-            for variant in (VARIANTS if rep % 2 == 0 else VARIANTS[::-1]):
-                runs[variant].append(run_variant(variant, args, args.set, root))
-    stats = {v: {"ett": spread([r["ett"] for r in rs]), "step_ms": spread([r["step_ms"] for r in rs]),
-                 "stall_s": spread([s for r in rs for s in r["stall_s"]])} for v, rs in runs.items()}
-    layer, sync = stats["replica_layer"], stats["sync_restart"]
+            for variant, failures in (order if rep % 2 == 0 else order[::-1]):
+                runs[f"{variant}/{'failures' if failures else 'clean'}"].append(
+                    run_variant(variant, failures, args, args.set, root))
+    stats = {}
+    for v in VARIANTS:
+        clean, failed = runs[f"{v}/clean"], runs[f"{v}/failures"]
+        stats[v] = {
+            "goodput": spread([f["samples_per_s"] / c["samples_per_s"] for c, f in zip(clean, failed)]),
+            "samples_per_s_clean": spread([c["samples_per_s"] for c in clean]),
+            "samples_per_s_failures": spread([f["samples_per_s"] for f in failed]),
+            "stall_s": spread([s for f in failed for s in f["stall_s"]]),
+            "auc_clean": spread([c["auc"] for c in clean]), "auc_failures": spread([f["auc"] for f in failed]),
+            "ne_clean": spread([c["ne"] for c in clean]), "ne_failures": spread([f["ne"] for f in failed]),
+        }
     print(f"\n{args.replicas} groups x {args.nproc} rank(s), {args.steps} steps, failures at steps {args.fail_at}, "
-          f"restart delay {args.restart_delay} s, checkpoint every {args.checkpoint_every} steps (sync restart)")
-    print(f"{'variant':<16}{'ETT mean (min-max)':>24}{'stall per failure, s':>26}{'step, ms':>18}")
+          f"restart delay {args.restart_delay} s, checkpoint every {args.checkpoint_every} steps")
+    print(f"{'variant':<15}{'goodput (min-max)':>22}{'stall per failure, s':>25}{'AUC clean':>20}{'AUC failures':>20}")
     for v in VARIANTS:
         s = stats[v]
-        print(f"{v:<16}{s['ett']['mean']:>10.3f} ({s['ett']['min']:.3f}-{s['ett']['max']:.3f})"
+        print(f"{v:<15}{s['goodput']['mean']:>10.3f} ({s['goodput']['min']:.3f}-{s['goodput']['max']:.3f})"
               f"{s['stall_s']['mean']:>12.2f} ({s['stall_s']['min']:.2f}-{s['stall_s']['max']:.2f})"
-              f"{s['step_ms']['mean']:>12.1f}")
-    ratio = layer["ett"]["mean"] / sync["ett"]["mean"]
-    print(f"ETT replica layer / sync restart: {ratio:.2f}x; stall per failure {sync['stall_s']['mean']:.2f} s -> "
-          f"{layer['stall_s']['mean']:.2f} s")
-    write_json_atomic(args.out, {"args": vars(args), "runs": runs, "stats": stats, "ett_ratio": round(ratio, 3),
+              f"{s['auc_clean']['mean']:>9.4f} ({s['auc_clean']['min']:.3f}-{s['auc_clean']['max']:.3f})"
+              f"{s['auc_failures']['mean']:>9.4f} ({s['auc_failures']['min']:.3f}-{s['auc_failures']['max']:.3f})")
+    ratio = stats["replica_layer"]["goodput"]["mean"] / stats["sync_restart"]["goodput"]["mean"]
+    print(f"goodput replica layer / sync restart: {ratio:.2f}x")
+    write_json_atomic(args.out, {"args": vars(args), "runs": runs, "stats": stats, "goodput_ratio": round(ratio, 3),
                                  "seconds": round(time.time() - started, 1)})
     print(f"wrote {args.out}")
 

@@ -1,15 +1,23 @@
-"""Quality of the replica layer's embedding-table averaging at several sync intervals.
+"""Quality of training as several replica groups against one, for both kinds of tables.
 
-    .venv/bin/python scripts/bench_ft_sync.py [--intervals 1 10 100] [--replicas 2] [--steps 1000]
-        [--repeats 2] [--set section.key=value ...]
+    .venv/bin/python scripts/bench_ft_sync.py [--replicas 2] [--steps 1000] [--repeats 3]
+        [--sync-every 10] [--set section.key=value ...] [--out PATH]
 
-Every replica group updates its own copy of the tables with its own batches; every
-``ft.embedding_sync_every`` steps (and at the end) the copies are averaged. This trains
-``configs/ft_local.yaml`` as ``--replicas`` groups of one rank at each interval, and as one group
-of ``--replicas`` ranks (one replica with the same global batch: the same samples each step,
-the tables sharded instead of copied), and compares the held-out AUC and normalized entropy
-at the end. The variants alternate within each repetition; repetition k uses ``run.seed`` k
-(data and initialization), which gives the spread. Results go to ``runs/bench_ft_sync.json``.
+Trains ``configs/ft_local.yaml`` at its default learning rates four ways, with the same global
+batch every step (``--replicas`` x ``data.batch_size`` samples) and the same samples:
+
+- ``own_one_group`` / ``torchrec_one_group``: one group of ``--replicas`` ranks (FreeScale's own
+  tables with ``train.pipeline: sync``, or TorchRec's with ``sparse_dist``): the reference;
+- ``own_groups``: ``--replicas`` groups of one rank, FreeScale's tables; each step's row
+  gradients are summed across the groups before the update (one synchronous job);
+- ``torchrec_groups``: ``--replicas`` groups of one rank, TorchRec's tables; each group updates
+  its own copy and every ``--sync-every`` steps the groups' changes are added up.
+
+The groups run with ``ft.min_replicas`` equal to their number, so that no step trains with
+fewer groups than the reference's ranks (a group that starts late would otherwise be caught up
+over steps the others trained alone). Repetition k uses ``run.seed`` k (data and
+initialization), which gives the spread; the variants alternate within each repetition.
+Held-out AUC and normalized entropy over ``--eval-samples`` samples at the end.
 """
 
 from __future__ import annotations
@@ -26,59 +34,70 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from freescale.local import run_local  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
+from freescale.local import run_local  # noqa: E402
 
 CONFIG = os.path.join(REPO, "configs", "ft_local.yaml")
+VARIANTS = {  # name: (pipeline, several groups)
+    "own_one_group": ("sync", False),
+    "own_groups": ("sync", True),
+    "torchrec_one_group": ("sparse_dist", False),
+    "torchrec_groups": ("sparse_dist", True),
+}
 
 
-def train(name: str, args, overrides: list[str], replicas: int, nproc: int, root: str) -> dict:
+def train(name: str, args, overrides: list[str], root: str) -> dict:
+    pipeline, groups = VARIANTS[name]
     run_dir = os.path.join(root, f"{name}-{time.time_ns()}")
-    summary = run_local(CONFIG, [*overrides, f"run.dir={run_dir}"], replicas=replicas, nproc=nproc, out=io.StringIO(),
-                        progress_every_s=1e9)
+    replicas, nproc = (args.replicas, 1) if groups else (1, args.replicas)
+    summary = run_local(CONFIG, [*overrides, f"train.pipeline={pipeline}", f"ft.min_replicas={replicas}",
+                                 f"ft.embedding_sync_every={args.sync_every}", f"run.dir={run_dir}"],
+                        replicas=replicas, nproc=nproc, out=io.StringIO(), progress_every_s=1e9)
     if not all(g["exit_code"] == 0 for g in summary["groups"]):
         raise RuntimeError(f"{name}: a group failed; see {run_dir}")
     with open(os.path.join(run_dir, "replica0", "summary.json")) as f:
         final = json.load(f)
     result = {"auc": final["eval/auc"], "ne": final["eval/ne"], "loss": final["eval/loss"]}
-    print(f"  {name:<18} auc {result['auc']:.4f} | ne {result['ne']:.4f} | loss {result['loss']:.4f}", flush=True)
+    print(f"  {name:<20} auc {result['auc']:.4f} | ne {result['ne']:.4f} | loss {result['loss']:.4f}", flush=True)
     return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--intervals", type=int, nargs="+", default=[1, 10, 100])
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--eval-samples", type=int, default=4096)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_ft_sync.json"))
     args = parser.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     started = time.time()
-    names = ["one_replica", *(f"sync_every_{k}" for k in args.intervals)]
+    names = list(VARIANTS)
     runs = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="bench_ft_sync-") as root:
         for rep in range(args.repeats):
             print(f"repetition {rep + 1}/{args.repeats} (run.seed {rep})", flush=True)
-            common = [*args.set, f"train.steps={args.steps}", f"run.seed={rep}", "data.eval_samples=4096",
-                      "train.eval_every=0", "train.ledger=false", "checkpoint.at_end=false"]
+            common = [*args.set, f"train.steps={args.steps}", f"run.seed={rep}", f"data.eval_samples={args.eval_samples}",
+                      "train.eval_every=0", "train.ledger=false", "checkpoint.every=0", "checkpoint.at_end=false"]
             for name in (names if rep % 2 == 0 else names[::-1]):
-                if name == "one_replica":
-                    runs[name].append(train(name, args, common, 1, args.replicas, root))
-                else:
-                    every = name.rsplit("_", 1)[1]
-                    runs[name].append(train(name, args, [*common, f"ft.embedding_sync_every={every}"],
-                                            args.replicas, 1, root))
+                runs[name].append(train(name, args, common, root))
     stats = {n: {k: {"mean": round(statistics.fmean(r[k] for r in rs), 5), "min": min(r[k] for r in rs),
                      "max": max(r[k] for r in rs)} for k in ("auc", "ne")} for n, rs in runs.items()}
+    # Per seed, the groups' AUC minus the one group's on the same data and initialization.
+    gaps = {kind: [g["auc"] - o["auc"] for o, g in zip(runs[f"{kind}_one_group"], runs[f"{kind}_groups"])]
+            for kind in ("own", "torchrec")}
     print(f"\n{args.replicas} groups x 1 rank against 1 group x {args.replicas} ranks, {args.steps} steps, "
-          f"{args.repeats} seeds")
-    print(f"{'variant':<18}{'AUC mean (min-max)':>26}{'NE mean (min-max)':>26}")
+          f"{args.repeats} seeds, TorchRec tables synced every {args.sync_every} steps")
+    print(f"{'variant':<22}{'AUC mean (min-max)':>26}{'NE mean (min-max)':>26}")
     for n in names:
         a, e = stats[n]["auc"], stats[n]["ne"]
-        print(f"{n:<18}{a['mean']:>10.4f} ({a['min']:.4f}-{a['max']:.4f}){e['mean']:>10.4f} ({e['min']:.4f}-{e['max']:.4f})")
+        print(f"{n:<22}{a['mean']:>10.4f} ({a['min']:.4f}-{a['max']:.4f}){e['mean']:>10.4f} ({e['min']:.4f}-{e['max']:.4f})")
+    for kind, values in gaps.items():
+        print(f"{kind} tables: groups - one group, AUC per seed: {', '.join(f'{v:+.4f}' for v in values)}")
     write_json_atomic(args.out, {"args": vars(args), "runs": runs, "stats": stats,
+                                 "auc_gap_per_seed": {k: [round(v, 5) for v in vs] for k, vs in gaps.items()},
                                  "seconds": round(time.time() - started, 1)})
     print(f"wrote {args.out}")
 

@@ -172,7 +172,7 @@ class ReplicaLayer:
             pg=self.pg,
             load_state_dict=self._receive,
             state_dict=self._snapshot,
-            min_replica_size=ft.min_replicas,
+            min_replica_size=1,  # ft.min_replicas is checked at the vote, counting a group that catches up
             use_async_quorum=True,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
@@ -240,12 +240,13 @@ class ReplicaLayer:
 
     def exchange_rows(self, keys: torch.Tensor, present: bool = True) -> RowPlan:
         """The step's header and the union of every group's row ``keys`` (sorted unique keys of
-        the table side's row space). ``present``: this group's batch is in the step."""
+        the table side's row space). ``present``: this group's batch is in the step (not when it
+        catches up)."""
         self.wait_quorum()
-        header = pack_header(self.replicas, self.replica, self.cursor.next_batch + 1, len(keys))
-        if not present:
-            header.zero_()
-        if not self._allreduce(header):
+        present = present and self.manager.is_participating()
+        header = pack_header(self.replicas, self.replica, self.cursor.next_batch + 1 if present else None,
+                             len(keys))
+        if not self._allreduce(header, absent_zero=False):
             return empty_plan(self.side.space)
         self._header = read_header(header, self.replicas)
         counts = self._header.counts
@@ -283,6 +284,7 @@ class ReplicaLayer:
     def vote(self) -> Vote:
         self.wait_quorum()
         self._check_group()
+        self._check_members()
         self._scale_lr()
         before = self.cursor.next_batch
         stepped = self.manager.should_commit()
@@ -314,12 +316,12 @@ class ReplicaLayer:
 
     # Parts of a step -----------------------------------------------------------------------
 
-    def _allreduce(self, tensor: torch.Tensor) -> bool:
+    def _allreduce(self, tensor: torch.Tensor, absent_zero: bool = True) -> bool:
         """Sum ``tensor`` over the groups in place (zeros from a group that catches up, as
         torchft does); False once anything failed in the step, which the vote then fails."""
         if self._failed:
             return False
-        if not self.manager.is_participating():
+        if absent_zero and not self.manager.is_participating():
             tensor.zero_()
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
@@ -357,6 +359,14 @@ class ReplicaLayer:
             raise RuntimeError(f"{message} at {where}")
         if not self.manager.errored():  # (a rank's own failure is the cause to report)
             self.manager.report_error(RuntimeError(message))
+
+    def _check_members(self) -> None:
+        """``ft.min_replicas``: groups in the step's quorum, a group catching up included (it
+        counts for the quorum, and must be able to commit the step it catches up in)."""
+        members = int(self._header.members.sum()) if self._header is not None else 0
+        if members < self.cfg.min_replicas and not self.manager.errored():
+            self.manager.report_error(RuntimeError(f"{members} replica group(s) in the step, "
+                                                   f"ft.min_replicas is {self.cfg.min_replicas}"))
 
     def check_group(self, where: str) -> None:
         """Raise if the ranks of the group do not hold the same step and cursor (the end of a run)."""

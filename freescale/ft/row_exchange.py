@@ -4,11 +4,12 @@ Every step under the replica layer, the groups' rank-``r`` ranks (the owners of 
 shard in every group) exchange, over torchft's process group, which rows they contribute and
 then one value per row of the union:
 
-1. the *header*: one int64 all-reduce (sum) of ``3 R`` slots, ``R`` = ``ft.num_replicas``.
-   Group ``g`` fills slot ``g`` of three parts: a flag (it takes part in the step), the data
-   cursor it will hold if the step commits (so every group learns every other group's
-   cursor with the state it commits), and how many row keys it contributes. A group that is
-   catching up contributes zeros (torchft zeroes its tensors), so it counts as absent.
+1. the *header*: one int64 all-reduce (sum) of ``4 R`` slots, ``R`` = ``ft.num_replicas``.
+   Group ``g`` fills slot ``g`` of four parts: a flag (it is in the step's quorum), a flag (its
+   batch is in the step), the data cursor it will hold if the step commits (so every group
+   learns every other group's cursor with the state it commits), and how many row keys it
+   contributes. A group that is catching up is in the quorum with no batch: the other three
+   are zero.
 2. the *keys*: one int64 all-reduce (sum) of every group's sorted keys in its own segment
    (segment ``g`` starts after the counts of groups ``0 .. g-1``; the others are zero there),
    which is an all-gather over an all-reduce. The union is the same on every group.
@@ -32,26 +33,31 @@ import torch
 class Header(NamedTuple):
     """What every group said of itself in a step's header."""
 
+    members: torch.Tensor
+    """[R] bool: the group is in the step's quorum."""
     present: torch.Tensor
-    """[R] bool: the group takes part in the step."""
+    """[R] bool: the group's batch is in the step."""
     cursors: torch.Tensor
     """[R] int64: the data cursor each present group holds once the step commits."""
     counts: torch.Tensor
     """[R] int64: row keys each group contributes."""
 
 
-def pack_header(replicas: int, replica: int, cursor_after: int, count: int) -> torch.Tensor:
-    """This group's header: its slots filled, the others zero."""
-    header = torch.zeros(3 * replicas, dtype=torch.int64)
+def pack_header(replicas: int, replica: int, cursor_after: int | None, count: int) -> torch.Tensor:
+    """This group's header: its slots filled, the others zero (``cursor_after`` None: its batch
+    is not in the step, and it contributes no rows)."""
+    header = torch.zeros(4 * replicas, dtype=torch.int64)
     header[replica] = 1
-    header[replicas + replica] = cursor_after
-    header[2 * replicas + replica] = count
+    if cursor_after is not None:
+        header[replicas + replica] = 1
+        header[2 * replicas + replica] = cursor_after
+        header[3 * replicas + replica] = count
     return header
 
 
 def read_header(reduced: torch.Tensor, replicas: int) -> Header:
-    present, cursors, counts = reduced.view(3, replicas)
-    return Header(present.bool(), cursors.clone(), counts.clone())
+    members, present, cursors, counts = reduced.view(4, replicas)
+    return Header(members.bool(), present.bool(), cursors.clone(), counts.clone())
 
 
 def pack_keys(keys: torch.Tensor, counts: torch.Tensor, replica: int) -> torch.Tensor:

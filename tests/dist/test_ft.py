@@ -3,6 +3,7 @@ torchrun ranks, injects faults, kills and restarts them; the groups must agree (
 tables bitwise, at every checkpoint they both took after a rejoin, not only at the end), every
 sample of every shard must be trained once, and the run must reach its last step."""
 
+import datetime
 import json
 import re
 from pathlib import Path
@@ -97,6 +98,16 @@ def logs(run: Path, replica: int) -> str:
     return "".join(p.read_text() for p in sorted((run / f"replica{replica}" / "logs").iterdir()))
 
 
+def assert_commit_soon_after(run: Path, groups: list[int], failed_at: float, within_s: float = 2.0) -> None:
+    """Every group in ``groups`` committed a step within ``within_s`` of a failure, and once
+    each step (the failed one included)."""
+    for g in groups:
+        after = [c["time"] - failed_at for c in commits(run, g) if c["time"] > failed_at]
+        assert after and after[0] <= within_s, f"replica {g}: first commit {after[:1]} s after the failure"
+        steps = [c["step"] for c in commits(run, g)]
+        assert steps == sorted(set(steps)) and 150 in steps
+
+
 def assert_kept_committing(run: Path, summary: dict, down: int) -> None:
     """While group ``down`` was away, every other group committed steps, and ``down`` trained
     again after every failure."""
@@ -144,21 +155,39 @@ def test_a_killed_group_of_two_ranks_catches_up_group_atomically_and_finishes(tm
 
 def test_survivors_go_on_at_once_when_a_group_dies_inside_the_allreduce(tmp_path):
     # Three groups of one rank: group 2 exits inside a cross-replica all-reduce of step 150 and
-    # is restarted 5 s later. The two others must not wait for it: the one whose collective
-    # fails aborts it, which releases the other, and they form a quorum of two at once.
+    # is restarted 5 s later. The two others must not wait for it: they form a quorum of two
+    # as soon as the lighthouse stops hearing from it.
     run = tmp_path / "run"
     proc, summary = local(run, "--replicas", "3", "--nproc", "1", "--restart-delay", "5", "--fault.at_step=150",
                           "--fault.during=allreduce", "--fault.kind=exit", "--fault.replicas=[2]", *LONG)
     check(proc)
     assert "rank 0 exits at step 150 during allreduce" in (run / "replica2.console.log").read_text()
     (failure,) = summary["groups"][2]["failures"]
-    for survivor in (0, 1):
-        after = [c["time"] - failure["down_at"] for c in commits(run, survivor) if c["time"] > failure["down_at"]]
-        assert after and after[0] <= 2.0, f"replica {survivor}: first commit {after[:1]} s after the failure"
-        steps = [c["step"] for c in commits(run, survivor)]
-        assert steps == sorted(set(steps)) and 150 in steps  # each step committed once, the failed one included
+    assert_commit_soon_after(run, [0, 1], failure["down_at"])
     assert_kept_committing(run, summary, down=2)
     assert_exactly_once(summary, 600)
+    assert_groups_agree(run, 3, tmp_path)
+
+
+def test_a_group_whose_allreduce_fails_releases_the_others_at_once(tmp_path):
+    # Three groups of one rank: group 1's part of the first cross-replica all-reduce of step 150
+    # fails (it raises before sending anything, as a failing link would), and it goes on living.
+    # The others are already in that all-reduce, waiting for its data: group 1 aborts the
+    # collective, which fails their side at once, instead of leaving them blocked until the
+    # collective's timeout (10 s); every group trains step 150 again and commits it.
+    run = tmp_path / "run"
+    proc, summary = local(run, "--replicas", "3", "--nproc", "1", "--fault.at_step=150", "--fault.during=allreduce",
+                          "--fault.kind=raise", "--fault.replicas=[1]", "--train.steps=300", "--checkpoint.at_end=true")
+    check(proc)
+    (stamp,) = re.findall(r"^(\S+ \S+) \[r1/0\] a cross-replica collective failed \(injected fault at step 150",
+                          logs(run, 1), re.M)
+    failed_at = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
+    assert_commit_soon_after(run, [0, 1, 2], failed_at)
+    for g in range(3):
+        assert "step 150 not committed" in logs(run, g)
+        steps = [c["step"] for c in commits(run, g)]
+        assert steps == list(range(1, 301)), g  # (all three started together: min_replicas is met from step 1)
+    assert_exactly_once(summary, 300)
     assert_groups_agree(run, 3, tmp_path)
 
 
@@ -193,8 +222,14 @@ def test_every_group_killed_at_once_resumes_from_the_newest_checkpoint(tmp_path)
     for g in summary["groups"]:
         assert [f["cause"] for f in g["failures"]] == ["killed"]
         assert g["failures"][0]["at_step"] >= 130
-    resumed = re.findall(r"resumed from the newest checkpoint of the job, step (\d+)", logs(run, 0) + logs(run, 1))
-    assert resumed and all(int(s) >= 100 for s in resumed), resumed
+    resumed = [int(s) for s in re.findall(r"resumed from the newest checkpoint of the job, step (\d+)",
+                                          logs(run, 0) + logs(run, 1))]
+    assert resumed and all(s >= 100 for s in resumed), resumed
+    # The job went on from there: the first step committed after the kill is the one after it
+    # (a group that came back later caught up from one that resumed).
+    killed = min(g["failures"][0]["down_at"] for g in summary["groups"])
+    first = min(c["step"] for g in range(2) for c in commits(run, g) if c["time"] > killed)
+    assert first == max(resumed) + 1, (first, resumed)
     # The steps after the checkpoint were trained twice in wall time, but the ledger holds them once.
     assert_exactly_once(summary, 600)
     assert_groups_agree(run, 2, tmp_path, since=min(g["failures"][0]["down_at"] for g in summary["groups"]))
@@ -224,6 +259,27 @@ def test_an_injected_commit_failure_leaves_no_trace(tmp_path):
             ref, got = final_state(clean / f"replica{r}", tmp_path), final_state(failed / f"replica{r}", tmp_path)
             assert differing(ref, got, "") == [], pipeline
         assert_exactly_once(summary, 12)
+
+
+def test_a_vote_lost_after_the_peers_committed_does_not_train_the_batch_again(tmp_path):
+    # Group 1 votes against step 10 after every collective of the step went through: group 0
+    # commits it with group 1's batch in. Group 1 is then a step behind, catches up from group 0,
+    # and takes from its state that its batch is trained: it goes on to the next one.
+    run = tmp_path / "run"
+    proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--train.steps=30", "--checkpoint.at_end=true",
+                          "--ft.min_replicas=2",
+                          "--fault.fail_commit_at=[10]", "--fault.replicas=[1]")
+    check(proc)
+    assert "step 10 not committed (injected commit failure at step 10)" in logs(run, 1)
+    assert "caught up with a peer at step 10" in logs(run, 1) and "not committed" not in logs(run, 0)
+    # Group 1 commits step 11 with the peers' state, its step-10 batch counted in: it trains the
+    # next one at step 12.
+    group1 = commits(run, 1)
+    assert [c["step"] for c in group1] == [*range(1, 10), *range(11, 31)] and all(c["trained"] for c in group1)
+    cursor = {c["step"]: c["next_batch"] for c in group1}
+    assert (cursor[9], cursor[11], cursor[12], cursor[30]) == (9, 10, 11, 29)
+    assert_exactly_once(summary, 30)
+    assert_groups_agree(run, 2, tmp_path)
 
 
 def test_two_groups_of_own_tables_train_like_one_job_with_twice_the_batch(tmp_path):

@@ -256,3 +256,24 @@ def test_faults_strike_from_wrappers_around_torchfts_parts(tmp_path):
     manager.errors.clear()
     assert manager.should_commit() is True  # the step trained again commits
     assert manager.current_step() == 3  # everything else is the manager's
+
+
+def test_a_step_with_fewer_groups_than_min_replicas_is_not_committed():
+    from types import SimpleNamespace
+
+    from freescale.ft.replica import ReplicaLayer
+    from freescale.ft.row_exchange import pack_header, read_header
+
+    layer = ReplicaLayer.__new__(ReplicaLayer)  # the check alone: no manager server, no lighthouse
+    errors = []
+    layer.manager = SimpleNamespace(report_error=errors.append, errored=lambda: errors[-1] if errors else None)
+    layer.cfg = load_config(FT_LOCAL, ["ft.num_replicas=3", "ft.min_replicas=2"]).ft
+    # Group 0 alone in the step: too few.
+    layer._header = read_header(pack_header(3, 0, cursor_after=4, count=1), 3)
+    layer._check_members()
+    assert len(errors) == 1 and "1 replica group(s) in the step, ft.min_replicas is 2" in str(errors[0])
+    # Group 0 and group 2 catching up (no batch): a group that catches up counts.
+    errors.clear()
+    layer._header = read_header(pack_header(3, 0, 4, 1) + pack_header(3, 2, None, 0), 3)
+    layer._check_members()
+    assert errors == []
