@@ -421,8 +421,8 @@ class ReplicaLayer:
                 if restored or restore is None:
                     self._quorum_open = True  # the first step runs in this quorum
                     return
-                log.info("no live replica group is ahead of this one (every group was lost): "
-                         "loading the newest checkpoint")
+                log.info("no live replica group is ahead of this one (the others were lost, or finished): "
+                         "loading the job's newest checkpoint")
                 self._zero_step(abstain=True)
                 restore()
                 self.side.load_state_dict({})
