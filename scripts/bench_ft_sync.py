@@ -68,13 +68,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--sync-every", type=int, default=10)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--eval-samples", type=int, default=4096)
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_ft_sync.json"))
     args = parser.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     started = time.time()
-    names = list(VARIANTS)
+    names = args.variants
     runs = {n: [] for n in names}
     with tempfile.TemporaryDirectory(prefix="bench_ft_sync-") as root:
         for rep in range(args.repeats):
@@ -85,9 +86,9 @@ def main() -> None:
                 runs[name].append(train(name, args, common, root))
     stats = {n: {k: {"mean": round(statistics.fmean(r[k] for r in rs), 5), "min": min(r[k] for r in rs),
                      "max": max(r[k] for r in rs)} for k in ("auc", "ne")} for n, rs in runs.items()}
-    # Per seed, the groups' AUC minus the one group's on the same data and initialization.
+    # Per seed, the groups' AUC minus the one group's on the same data.
     gaps = {kind: [g["auc"] - o["auc"] for o, g in zip(runs[f"{kind}_one_group"], runs[f"{kind}_groups"])]
-            for kind in ("own", "torchrec")}
+            for kind in ("own", "torchrec") if f"{kind}_one_group" in runs and f"{kind}_groups" in runs}
     print(f"\n{args.replicas} groups x 1 rank against 1 group x {args.replicas} ranks, {args.steps} steps, "
           f"{args.repeats} seeds, TorchRec tables synced every {args.sync_every} steps")
     print(f"{'variant':<22}{'AUC mean (min-max)':>26}{'NE mean (min-max)':>26}")

@@ -32,8 +32,8 @@ def kernel_blocks(kernel: SplitTableBatchedEmbeddingBagsCodegen) -> list[RowBloc
     try:
         states = kernel.split_optimizer_states()
     except NotImplementedError:  # a kernel without an optimizer holds weights only
-        states = [[] for _ in weights]
-    return [[w, *s] for w, s in zip(weights, states)]
+        states = []
+    return [[w, *s] for w, s in zip(weights, states or [[] for _ in weights])]  # (SGD: no state, [])
 
 
 def rows_per_table(kernel: SplitTableBatchedEmbeddingBagsCodegen, indices: torch.Tensor, offsets: torch.Tensor,

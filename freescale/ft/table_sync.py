@@ -5,10 +5,22 @@ fbgemm's kernels), so the replica layer cannot sum a step's row gradients across
 before they are applied, as it does for FreeScale's own tables. Each group updates its own
 copy with its own batches, and every ``ft.embedding_sync_every`` steps (and at every
 checkpoint and at the last step) the copies are made one again: each row some group changed
-since the last sync becomes its value at that sync plus the sum of every group's change to it,
-for the weights and the optimizer's per-row state alike. Averaging the copies instead (what
-TorchRec's ``DMPCollection`` does) would divide a group's update of a row that only it
-touched by the number of groups.
+since the last sync takes every group's change to it, added up as one job would have applied
+them. Averaging the copies instead (what TorchRec's ``DMPCollection`` does) would divide a
+group's update of a row that only it touched by the number of groups.
+
+How the changes add up depends on the fused optimizer:
+
+- SGD: the weights' changes are summed (``w = w0 + sum_g dw_g``), which is exactly one step
+  of the summed gradients when the sync is every step;
+- row-wise Adagrad (fbgemm's ``m += mean(g^2); w -= lr g / (sqrt(m) + eps)``): each group
+  normalized its own updates by its own momentum, so plain sums would move a row that several
+  groups touch further than one job does. Each group's weight change is taken back to the
+  gradient it came from, times the learning rate (``dw_g * (sqrt(m_g) + eps)``, ``m_g`` its
+  current momentum of the row); those are summed, and so are the momentum changes; the row then
+  takes one Adagrad step of the summed gradient with the summed momentum
+  (``m = m0 + sum_g dm_g; w = w0 + sum_g dw_g (sqrt(m_g) + eps) / (sqrt(m) + eps)``). A row
+  only one group touched ends exactly as that group left it, however many steps it took.
 
 Per row block (``freescale.ft.rows``) a group keeps, for the rows it touched since the last
 sync, their values at that sync (``base``) and the values its own changes count from
@@ -26,6 +38,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+from fbgemm_gpu.split_embedding_configs import EmbOptimType
 
 from freescale.ft.row_exchange import RowPlan, RowSpace
 from freescale.ft.rows import FusedTables
@@ -43,12 +56,22 @@ def _width(t: torch.Tensor) -> int:
     return int(t[0].numel()) if t.dim() > 1 else 1
 
 
+def _adagrad_eps(kernel) -> float | None:
+    """The epsilon of a kernel whose fused optimizer is row-wise Adagrad; None for SGD."""
+    if kernel.optimizer == EmbOptimType.EXACT_ROWWISE_ADAGRAD:
+        return float(kernel.optimizer_args.eps)
+    if kernel.optimizer == EmbOptimType.EXACT_SGD:
+        return None
+    raise ValueError(f"the replica layer syncs TorchRec's tables under row-wise Adagrad or SGD, not {kernel.optimizer}")
+
+
 class TableSync:
     """TorchRec's fused tables under the replica layer (the layer's *table side*)."""
 
     def __init__(self, tables: FusedTables, *, every: int, checkpoint_every: int, last_step: int) -> None:
         self.tables = tables
         self.blocks = tables.blocks()
+        self.eps = [_adagrad_eps(k) for k in tables.kernels for _ in k.embedding_specs]
         self.space = RowSpace(tuple(int(b[0].shape[0]) for b in self.blocks),
                               tuple(sum(_width(t) for t in b) for b in self.blocks))
         self.every = every
@@ -102,18 +125,23 @@ class TableSync:
         return torch.cat(parts) if parts else NO_KEYS
 
     def values(self, plan: RowPlan) -> torch.Tensor:
-        """This group's change to each row of ``plan`` since the last sync (zero where none)."""
+        """This group's change to each row of ``plan`` since the last sync, as it adds up
+        (module docstring; zero where none)."""
         out = torch.zeros(plan.size)
         for block, kept in enumerate(self._touched):
             if kept is None or not plan.rows(block).numel():
                 continue
             rows, where = self._kept_among(kept, plan.rows(block))
-            plan.scatter(block, rows, self._read(block, rows) - kept.start[where], out)
+            now = self._read(block, rows)
+            change = now - kept.start[where]
+            if self.eps[block] is not None:  # the weights' change back to its gradient: times sqrt(m) + eps
+                change[:, :-1] *= now[:, -1:].sqrt() + self.eps[block]
+            plan.scatter(block, rows, change, out)
         return out
 
     def apply(self, plan: RowPlan, summed: torch.Tensor) -> None:
-        """After a committed sync step: every row of ``plan`` becomes its value at the last sync
-        plus the groups' changes."""
+        """After a committed sync step: every row of ``plan`` takes the groups' changes on top of
+        its value at the last sync."""
         if not plan.keys.numel():
             return
         for block in range(len(self.blocks)):
@@ -125,7 +153,12 @@ class TableSync:
             if kept is not None:
                 mine, where = self._kept_among(kept, rows)
                 base[torch.searchsorted(rows, mine)] = kept.base[where]
-            self._write(block, rows, base + plan.values(summed, block))
+            changes, eps = plan.values(summed, block), self.eps[block]
+            if eps is None:
+                self._write(block, rows, base + changes)
+                continue
+            momentum = base[:, -1:] + changes[:, -1:]
+            self._write(block, rows, torch.cat([base[:, :-1] + changes[:, :-1] / (momentum.sqrt() + eps), momentum], 1))
         self._touched = [None] * len(self.blocks)
 
     @staticmethod

@@ -42,6 +42,7 @@ PHASE_COLORS = {
     "exclusive_wait": "#d35400",
     "flags_wait": "#7f8c8d",
     "id_wait": "#8e44ad",
+    "vote": "#16a085",
 }
 PART_COLORS = {"compute": "#2e86de", "straggler bubble": "#e74c3c", "exposed comm": "#8e44ad", "data wait": "#9e9e9e"}
 

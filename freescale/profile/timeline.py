@@ -14,7 +14,9 @@ of the phases the trainer can see, and the main thread's CPU in each kind of spa
 - ``injected_delay``: straggler injection, inside forward;
 - ``id_wait``, ``flags_wait``, ``exclusive_wait``, ``collision_wait``: the waits of the
   pipelines over FreeScale's own tables (``freescale.embedding.pipeline``), which also note
-  each step's ``collision_rows`` and ``read_rows`` (summed over the rank's owned rows).
+  each step's ``collision_rows`` and ``read_rows`` (summed over the rank's owned rows);
+- ``vote``: under the replica layer, those pipelines' exchanges across the replica groups,
+  the commit vote and the update after it (TorchRec's pipeline has them inside ``optimizer``).
 
 Compute is measured, not inferred from spans: on CPU a rank's kernels run on its main thread
 (``run.threads: 1``, what torchrun gives each rank by default) and a rank blocked in a gloo

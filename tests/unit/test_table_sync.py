@@ -1,6 +1,7 @@
 """The sync of TorchRec's fused tables across replica groups: every group's changes since the
-last sync added up, rollbacks, a group that caught up in between; groups simulated in one
-process on real fbgemm kernels (the all-reduce is a sum of their buffers)."""
+last sync added up as one job would have applied them (row-wise Adagrad and SGD), rollbacks, a
+group that caught up in between; groups simulated in one process on real fbgemm kernels, their
+fused optimizer stepping in backward (the all-reduce is a sum of the groups' buffers)."""
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -12,35 +13,37 @@ from freescale.ft.row_exchange import pack_keys, plan_rows
 from freescale.ft.rows import kernel_blocks
 from freescale.ft.table_sync import TableSync
 
+LR, EPS = 0.1, 1e-8
+ROWS = (12, 5)  # two tables (blocks) of 4-wide rows
+
 
 class Kernels:
-    """What ``TableSync`` reads of ``FusedTables``: the row blocks of one fbgemm kernel with
-    two tables (12 x 4 and 5 x 4 rows, row-wise Adagrad), the same initial rows in every group."""
+    """What ``TableSync`` reads of ``FusedTables``: fused fbgemm kernels (one table each), the
+    same initial rows in every group."""
 
-    def __init__(self) -> None:
-        self.kernel = SplitTableBatchedEmbeddingBagsCodegen(
-            [(12, 4, EmbeddingLocation.HOST, ComputeDevice.CPU), (5, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)],
-            optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, pooling_mode=PoolingMode.NONE, learning_rate=0.1)
+    def __init__(self, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD) -> None:
+        self.kernels = [SplitTableBatchedEmbeddingBagsCodegen(
+            [(n, 4, EmbeddingLocation.HOST, ComputeDevice.CPU)], optimizer=optimizer, pooling_mode=PoolingMode.NONE,
+            learning_rate=LR, eps=EPS) for n in ROWS]
         with torch.no_grad():
-            for i, block in enumerate(kernel_blocks(self.kernel)):
-                block[0].copy_(torch.arange(block[0].numel(), dtype=torch.float32).view_as(block[0]) / (i + 7))
+            for i, kernel in enumerate(self.kernels):
+                weights = kernel.split_embedding_weights()[0]
+                weights.copy_(torch.arange(weights.numel(), dtype=torch.float32).view_as(weights) / (i + 7))
 
     def blocks(self):
-        return kernel_blocks(self.kernel)
+        return [b for k in self.kernels for b in kernel_blocks(k)]
 
 
-def group(every=10):
-    return TableSync(Kernels(), every=every, checkpoint_every=0, last_step=100)
+def group(every=10, optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD):
+    return TableSync(Kernels(optimizer), every=every, checkpoint_every=0, last_step=100)
 
 
-def train(sync: TableSync, block: int, rows: list[int], delta: float) -> None:
-    """A step's lookup reports ``rows``, then backward changes them (weights and momentum)."""
+def train(sync: TableSync, block: int, rows: list[int], grads: torch.Tensor) -> None:
+    """A step: the lookup reports ``rows``, backward applies the fused optimizer with ``grads``."""
     ids = torch.tensor(rows)
     sync.touch([(block, ids)])
-    with torch.no_grad():
-        weights, momentum = sync.blocks[block]
-        weights[ids] += delta
-        momentum[ids] += abs(delta)
+    kernel = sync.tables.kernels[block]
+    kernel(ids, torch.arange(len(rows) + 1)).backward(grads)
     sync.committed()
 
 
@@ -61,82 +64,120 @@ def tables(sync: TableSync) -> list[torch.Tensor]:
     return [t.clone() for block in sync.blocks for t in block]
 
 
-def test_a_sync_adds_every_groups_change_to_the_rows_base():
+def same(a: TableSync, b: TableSync) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(tables(a), tables(b)))
+
+
+def copy_tables(to: TableSync, source: TableSync) -> None:
+    with torch.no_grad():
+        for mine, theirs in zip(to.blocks, source.blocks):
+            for t, s in zip(mine, theirs):
+                t.copy_(s)
+
+
+def test_a_row_one_group_touched_ends_as_that_group_left_it():
     a, b = group(), group()
-    base = tables(a)
-    train(a, 0, [1, 2, 2], 1.0)  # only a touches row 1, both touch row 2
-    train(b, 0, [2, 3], 0.25)
-    train(b, 1, [4], -2.0)
-    train(a, 0, [2], 1.0)  # a second step on row 2
+    for step in range(3):  # several steps of a on row 1 between syncs
+        train(a, 0, [1, 5], torch.randn(2, 4))
+    train(b, 0, [7], torch.randn(1, 4))
+    train(b, 1, [2], torch.randn(1, 4))
+    left = tables(a)
     sync_all([a, b], step=10)
-    assert all(torch.equal(x, y) for x, y in zip(tables(a), tables(b)))
-    weights, momentum = tables(a)[0], tables(a)[1]
-    assert torch.equal(weights[1], base[0][1] + 1.0)  # not halved, as averaging the copies would
-    assert torch.equal(weights[2], base[0][2] + 2.0 + 0.25)
-    assert torch.equal(weights[3], base[0][3] + 0.25)
-    assert torch.equal(momentum[2:4], base[1][2:4] + torch.tensor([2.25, 0.25]))
-    assert torch.equal(tables(a)[2][4], base[2][4] - 2.0)
-    untouched = [0, 4, 5, 6, 7, 8, 9, 10, 11]
-    assert torch.equal(weights[untouched], base[0][untouched])
+    assert same(a, b)
+    for t, (after, before) in enumerate(zip(tables(a)[:2], left[:2])):
+        torch.testing.assert_close(after[[1, 5]], before[[1, 5]], rtol=1e-6, atol=1e-7)  # a's rows: a's values
+    untouched = [0, 2, 3, 4, 6, 8, 9, 10, 11]
+    assert torch.equal(tables(a)[0][untouched], Kernels().blocks()[0][0][untouched])
+
+
+def test_rows_several_groups_touched_take_one_adagrad_step_of_the_summed_gradient():
+    a, b = group(every=1), group(every=1)
+    w0, m0 = tables(a)[0].clone(), tables(a)[1].clone()
+    ga, gb = torch.randn(2, 4), torch.randn(1, 4)
+    train(a, 0, [2, 3], ga)
+    train(b, 0, [3], gb)
+    sync_all([a, b], step=1)
+    assert same(a, b)
+    # Row 3: both groups' gradients in one step, with the momentum both accumulated.
+    momentum = m0[3] + (ga[1] ** 2).mean() + (gb[0] ** 2).mean()
+    torch.testing.assert_close(tables(a)[1][3], momentum, rtol=1e-6, atol=0)
+    torch.testing.assert_close(tables(a)[0][3], w0[3] - LR * (ga[1] + gb[0]) / (momentum.sqrt() + EPS), rtol=1e-5, atol=1e-6)
+    # Row 2: a's alone. A plain sum of the changes would have moved row 3 further:
+    plain = w0[3] - LR * ga[1] / ((m0[3] + (ga[1] ** 2).mean()).sqrt() + EPS) - LR * gb[0] / (
+        (m0[3] + (gb[0] ** 2).mean()).sqrt() + EPS)
+    assert (plain - w0[3]).norm() > 1.2 * (tables(a)[0][3] - w0[3]).norm()
+
+
+def test_sgd_changes_simply_add_up():
+    a, b = group(every=1, optimizer=EmbOptimType.EXACT_SGD), group(every=1, optimizer=EmbOptimType.EXACT_SGD)
+    w0 = tables(a)[0].clone()
+    ga, gb = torch.randn(1, 4), torch.randn(1, 4)
+    train(a, 0, [4], ga)
+    train(b, 0, [4], gb)
+    sync_all([a, b], step=1)
+    assert same(a, b) and len(a.blocks[0]) == 1  # no per-row state
+    torch.testing.assert_close(tables(a)[0][4], w0[4] - LR * (ga[0] + gb[0]), rtol=1e-6, atol=1e-7)
 
 
 def test_only_sync_steps_exchange_rows_and_a_sync_starts_the_count_again():
     a = group(every=10)
-    train(a, 0, [5], 1.0)
+    train(a, 0, [5], torch.randn(1, 4))
     assert a.keys(9).numel() == 0 and a.keys(10).tolist() == [5]
     assert TableSync(Kernels(), every=0, checkpoint_every=4, last_step=7).due(8)  # checkpoints are sync steps
     assert TableSync(Kernels(), every=0, checkpoint_every=0, last_step=7).due(7)
     b = group()
     sync_all([a, b], step=10)
     assert a.keys(20).numel() == 0  # nothing touched since the sync
-    train(b, 0, [5], 1.0)
+    train(b, 0, [5], torch.randn(1, 4))
     sync_all([a, b], step=20)
-    assert torch.equal(tables(a)[0][5], tables(b)[0][5])
+    assert same(a, b)
 
 
 def test_a_rolled_back_step_leaves_the_rows_and_the_changes_as_they_were():
-    a, b = group(), group()
-    train(a, 0, [1], 1.0)
+    a, b, alone = group(), group(), group()
+    g = torch.randn(1, 4)
+    train(a, 0, [1], g)
+    train(alone, 0, [1], g)
     before = tables(a)
     a.touch([(0, torch.tensor([1, 7]))])
-    with torch.no_grad():
-        a.blocks[0][0][torch.tensor([1, 7])] += 5.0
+    a.tables.kernels[0](torch.tensor([1, 7]), torch.arange(3)).backward(torch.randn(2, 4))
     a.rollback()
-    assert all(torch.equal(x, y) for x, y in zip(tables(a), before))
+    assert same(a, alone) and all(torch.equal(x, y) for x, y in zip(tables(a), before))
     sync_all([a, b], step=10)
-    assert torch.equal(tables(b)[0][7], Kernels().blocks()[0][0][7])  # row 7 changed by no committed step
-    assert torch.equal(tables(b)[0][1], Kernels().blocks()[0][0][1] + 1.0)
+    sync_all([alone, group()], step=10)
+    assert same(a, alone)  # row 7, changed by no committed step, is not in the sync either
 
 
-def test_a_group_that_caught_up_counts_its_changes_from_the_peers_state():
-    a, b, c = group(), group(), group()
-    train(a, 0, [1, 2], 1.0)
-    train(b, 0, [2], 0.5)
-    # c catches up from a: a's tables and a's touched rows with their values at the last sync.
-    sent = {k: [t.clone() for t in v] for k, v in a.state_dict().items()}
-    with torch.no_grad():
-        for block_c, block_a in zip(c.blocks, a.blocks):
-            for tc, ta in zip(block_c, block_a):
-                tc.copy_(ta)
-    c.load_state_dict(sent)
-    train(c, 0, [2, 3], 0.125)
-    train(a, 0, [3], 2.0)
-    sync_all([a, b, c], step=10)
-    assert all(torch.equal(x, y) for g in (b, c) for x, y in zip(tables(a), tables(g)))
-    base = Kernels().blocks()[0][0]
-    assert torch.equal(tables(a)[0][2], base[2] + 1.0 + 0.5 + 0.125)  # a's change counted once
-    assert torch.equal(tables(a)[0][3], base[3] + 0.125 + 2.0)
+def test_a_group_that_caught_up_adds_only_its_own_changes():
+    def run(with_late: bool):
+        torch.manual_seed(0)
+        a, b, c = group(), group(), group()
+        train(a, 0, [1, 2], torch.randn(2, 4))
+        train(b, 0, [2], torch.randn(1, 4))
+        if with_late:  # c catches up from a: a's tables, and a's rows with their values at the last sync
+            copy_tables(c, a)
+            c.load_state_dict({k: [t.clone() for t in v] for k, v in a.state_dict().items()})
+            train(c, 0, [3], torch.randn(1, 4))
+        train(a, 0, [3], torch.randn(1, 4))
+        groups = [a, b, c] if with_late else [a, b]
+        sync_all(groups, step=10)
+        assert all(same(a, g) for g in groups)
+        return a, c
+
+    a, _ = run(with_late=False)
+    a_late, c = run(with_late=True)
+    # a's changes to rows 1 and 2 count once though c holds them too; c adds its row-3 change.
+    rows = [0, 1, 2, 4, 5]
+    assert torch.equal(tables(a)[0][rows], tables(a_late)[0][rows]) and torch.equal(tables(a)[1][rows], tables(a_late)[1][rows])
+    assert not torch.equal(tables(a)[0][3], tables(a_late)[0][3])
 
 
 def test_a_group_catching_up_in_the_sync_step_takes_the_result_on_the_peers_state():
     a, b, late = group(), group(), group()
-    train(a, 0, [4], 1.0)
-    train(b, 0, [4, 9], 3.0)
+    train(a, 0, [4], torch.randn(1, 4))
+    train(b, 0, [4, 9], torch.randn(2, 4))
     sent = a.state_dict()
-    with torch.no_grad():  # late loads a's state at its vote, before the result applies
-        for block_l, block_a in zip(late.blocks, a.blocks):
-            for tl, ta in zip(block_l, block_a):
-                tl.copy_(ta)
+    copy_tables(late, a)  # late loads a's state at its vote, before the result applies
     late.load_state_dict(sent)
     sync_all([a, b, late], step=10, present=[a, b])
-    assert all(torch.equal(x, y) for g in (b, late) for x, y in zip(tables(a), tables(g)))
+    assert same(a, b) and same(a, late)
