@@ -286,6 +286,8 @@ class FTConfig:
     """How long a step waits for a quorum of replica groups."""
     embedding_sync_every: Annotated[int, NonNegative] = 10
     """TorchRec's tables (train.pipeline sparse_dist): add up every group's changes to the rows every this many steps, at every checkpoint and at the last step (0 = only the last two); FreeScale's own tables sum each step's row gradients across the groups instead."""
+    embedding_sync: Literal["add", "average"] = "add"
+    """TorchRec's tables at a sync: add the groups' changes (as one job would have applied them), or average the groups' copies (TorchRec DMPCollection's semantics, to measure against)."""
     lr_scaling: Literal["none", "sqrt"] = "none"
     """Dense learning rate while fewer than ft.num_replicas take part: unchanged, or scaled by sqrt(participants / ft.num_replicas)."""
 

@@ -22,6 +22,10 @@ How the changes add up depends on the fused optimizer:
   (``m = m0 + sum_g dm_g; w = w0 + sum_g dw_g (sqrt(m_g) + eps) / (sqrt(m) + eps)``). A row
   only one group touched ends exactly as that group left it, however many steps it took.
 
+``ft.embedding_sync: average`` averages the groups' copies instead (``w = w0 + sum_g dw_g / R``
+over the ``R`` groups in the step, the momentum alike: TorchRec's ``DMPCollection``), kept to
+measure against (``scripts/bench_ft_sync.py``).
+
 Per row block (``freescale.ft.rows``) a group keeps, for the rows it touched since the last
 sync, their values at that sync (``base``) and the values its own changes count from
 (``start``: the same, except in a group that caught up since, whose changes count from the
@@ -68,12 +72,15 @@ def _adagrad_eps(kernel) -> float | None:
 class TableSync:
     """TorchRec's fused tables under the replica layer (the layer's *table side*)."""
 
-    def __init__(self, tables: FusedTables, *, every: int, checkpoint_every: int, last_step: int) -> None:
+    def __init__(self, tables: FusedTables, *, every: int, checkpoint_every: int, last_step: int,
+                 average: bool = False) -> None:
         self.tables = tables
         self.blocks = tables.blocks()
-        self.eps = [_adagrad_eps(k) for k in tables.kernels for _ in k.embedding_specs]
+        self.average = average
+        self.eps = [None if average else _adagrad_eps(k) for k in tables.kernels for _ in k.embedding_specs]
+        # Averaging counts the groups in the step: one more value per row, 1 from each group.
         self.space = RowSpace(tuple(int(b[0].shape[0]) for b in self.blocks),
-                              tuple(sum(_width(t) for t in b) for b in self.blocks))
+                              tuple(sum(_width(t) for t in b) + average for b in self.blocks))
         self.every = every
         self.checkpoint_every = checkpoint_every
         self.last_step = last_step
@@ -129,6 +136,8 @@ class TableSync:
         (module docstring; zero where none)."""
         out = torch.zeros(plan.size)
         for block, kept in enumerate(self._touched):
+            if self.average:
+                plan.values(out, block)[:, -1] = 1.0
             if kept is None or not plan.rows(block).numel():
                 continue
             rows, where = self._kept_among(kept, plan.rows(block))
@@ -136,6 +145,8 @@ class TableSync:
             change = now - kept.start[where]
             if self.eps[block] is not None:  # the weights' change back to its gradient: times sqrt(m) + eps
                 change[:, :-1] *= now[:, -1:].sqrt() + self.eps[block]
+            if self.average:
+                change = torch.cat([change, torch.ones(len(rows), 1)], 1)
             plan.scatter(block, rows, change, out)
         return out
 
@@ -154,6 +165,9 @@ class TableSync:
                 mine, where = self._kept_among(kept, rows)
                 base[torch.searchsorted(rows, mine)] = kept.base[where]
             changes, eps = plan.values(summed, block), self.eps[block]
+            if self.average:
+                self._write(block, rows, base + changes[:, :-1] / changes[:, -1:])
+                continue
             if eps is None:
                 self._write(block, rows, base + changes)
                 continue

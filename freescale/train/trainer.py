@@ -266,7 +266,8 @@ def table_side(cfg: ExperimentConfig, model, owned: bool):
         return None
     if owned:
         return OwnedRows(model.tables)
-    return TableSync(FusedTables(model), every=cfg.ft.embedding_sync_every, checkpoint_every=cfg.checkpoint.every,
+    return TableSync(FusedTables(model), every=cfg.ft.embedding_sync_every, average=cfg.ft.embedding_sync == "average",
+                     checkpoint_every=cfg.checkpoint.every,
                      last_step=cfg.train.steps)
 
 

@@ -181,3 +181,16 @@ def test_a_group_catching_up_in_the_sync_step_takes_the_result_on_the_peers_stat
     late.load_state_dict(sent)
     sync_all([a, b, late], step=10, present=[a, b])
     assert same(a, b) and same(a, late)
+
+
+def test_averaging_the_copies_divides_a_change_by_the_groups():
+    # TorchRec DMPCollection's semantics, kept to measure against: a row one group of two
+    # touched moves by half of that group's change.
+    a, b = (TableSync(Kernels(), every=10, checkpoint_every=0, last_step=100, average=True) for _ in range(2))
+    w0, m0 = tables(a)[0].clone(), tables(a)[1].clone()
+    train(a, 0, [6], torch.randn(1, 4))
+    changed = tables(a)
+    sync_all([a, b], step=10)
+    assert same(a, b)
+    torch.testing.assert_close(tables(a)[0][6], w0[6] + (changed[0][6] - w0[6]) / 2)
+    torch.testing.assert_close(tables(a)[1][6], m0[6] + (changed[1][6] - m0[6]) / 2)
