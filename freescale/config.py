@@ -260,8 +260,8 @@ class FaultConfig:
     """Under the replica layer: the replica groups that fail (empty = every group); the fault then strikes once per run folder."""
     kind: Literal["raise", "exit", "delay"] = "raise"
     """raise: an exception (a bug, a failed transfer); exit: the process ends at once, as a crash would; delay: the rank stalls for fault.delay_s."""
-    during: Literal["step", "quorum", "allreduce", "recover"] = "step"
-    """Where in the step: as it begins, or under the replica layer in the step's quorum, its first cross-replica all-reduce, or while this group fetches a live peer's state (recover: at its first catch-up at or after fault.at_step)."""
+    during: Literal["step", "quorum", "allreduce", "vote", "recover"] = "step"
+    """Where in the step: as it begins, or under the replica layer in the step's quorum, its first cross-replica all-reduce, its vote (after every collective of the step), or while this group fetches a live peer's state (recover: at its first catch-up at or after fault.at_step)."""
     delay_s: Annotated[float, Range(min=0.0)] = 5.0
     """How long a delay fault stalls the rank, in seconds."""
     fail_commit_at: list[int] = field(default_factory=list)

@@ -11,8 +11,9 @@
 ``fault.during`` says where in step N: ``step`` (as it begins: the trainer asks), or, under
 the replica layer, inside torchft's parts, where wrappers around them strike
 (``freescale.ft.faults``): ``quorum`` (the step's quorum), ``allreduce`` (the step's first
-cross-replica all-reduce) or ``recover`` (fetching a live peer's state, at the first catch-up
-at or after step N). Under the replica layer ``fault.replicas`` picks the groups (empty: every
+cross-replica all-reduce), ``vote`` (after every collective of the step, as the group's
+vote is cast: a group that dies there leaves a step its peers commit with its batch in) or
+``recover`` (fetching a live peer's state, at the first catch-up at or after step N). Under the replica layer ``fault.replicas`` picks the groups (empty: every
 one), and a fault strikes once per run folder (a marker file under ``faults/``): the group,
 restarted with the same config, goes on.
 

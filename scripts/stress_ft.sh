@@ -19,8 +19,14 @@ logs="$root/runs/stress_ft"
 mkdir -p "$logs"
 
 hogs=()
-stop_hogs() { [ ${#hogs[@]} -gt 0 ] && kill "${hogs[@]}" 2>/dev/null; wait 2>/dev/null; }
-trap stop_hogs EXIT INT TERM
+test_pid=""
+stop() {
+  [ -n "$test_pid" ] && pkill -TERM -P "$test_pid" 2>/dev/null && kill "$test_pid" 2>/dev/null
+  [ ${#hogs[@]} -gt 0 ] && kill "${hogs[@]}" 2>/dev/null
+  wait 2>/dev/null
+}
+trap stop EXIT
+trap 'echo "stress_ft: interrupted"; exit 130' INT TERM
 cores=$(nproc)
 for _ in $(seq "$cores"); do
   "$python" -c "while True: pass" &
@@ -31,7 +37,9 @@ echo "stress_ft: $runs run(s) of ${tests[*]} beside $cores CPU-bound process(es)
 passed=0
 for i in $(seq "$runs"); do
   start=$(date +%s)
-  if "$python" -m pytest -q -p no:cacheprovider "${tests[@]}" > "$logs/run$i.log" 2>&1; then
+  "$python" -m pytest -q -p no:cacheprovider "${tests[@]}" > "$logs/run$i.log" 2>&1 &
+  test_pid=$!
+  if wait "$test_pid"; then
     passed=$((passed + 1)); result=passed
   else
     result="FAILED (see $logs/run$i.log)"

@@ -219,7 +219,7 @@ class EmbeddingPipeline:
         if not replica.enabled:
             self.tables.update_looked_up(staged.looked_up, got)
             self._dense_step(dense)
-        elif not self._commit(replica.exchange_rows(torch.unique(route.ids)), route.ids, got, dense):
+        elif not self._commit(replica.exchange_rows(torch.unique(route.ids), batch), route.ids, got, dense):
             self._replay = batch
         return out
 
@@ -252,7 +252,7 @@ class EmbeddingPipeline:
             self._apply_deferred()
             written = cur.route.ids
             if replica.enabled:  # the rows every group's batch i writes
-                plan = replica.exchange_rows(torch.unique(written))
+                plan = replica.exchange_rows(torch.unique(written), cur.batch)
                 written = plan.rows(0)
             if nxt is not None:
                 # 2. Split batch i+1's rows at their owners and tell the senders (needed after

@@ -5,8 +5,9 @@ so the replica layer itself has no fault branch (the shape of torchft's own
 
 - ``FaultyProcessGroup``: the step's cross-replica all-reduces (``fault.during: allreduce``);
 - ``FaultyTransport``: fetching a live peer's state (``fault.during: recover``);
-- ``FaultyManager``: the step's quorum (``fault.during: quorum``) and declared commit
-  failures (``fault.fail_commit_at``: the group votes against those steps once each).
+- ``FaultyManager``: the step's quorum (``fault.during: quorum``), its vote
+  (``fault.during: vote``) and declared commit failures (``fault.fail_commit_at``: the group
+  votes against those steps once each).
 
 ``wrap_*`` return the part itself when nothing is declared there.
 """
@@ -65,7 +66,7 @@ class FaultyTransport(CheckpointTransport):
 
 
 class FaultyManager:
-    """torchft's manager, with the declared fault at the quorum and the declared commit failures."""
+    """torchft's manager, with the declared fault at the quorum or the vote and the declared commit failures."""
 
     def __init__(self, manager, faults, fail_commit_at: list[int]) -> None:
         self.manager = manager
@@ -78,6 +79,7 @@ class FaultyManager:
 
     def should_commit(self, *args, **kwargs) -> bool:
         step = self.manager.current_step() + 1
+        self.faults.at("vote", step)
         if step in self.fail_commit_at:
             self.fail_commit_at.discard(step)  # the step trained again commits
             self.manager.report_error(InjectedFault(f"injected commit failure at step {step}"))

@@ -27,6 +27,12 @@ its connections), so a peer blocked on this group in the same collective is rele
 than left waiting for a group that gave up; the next quorum rebuilds the group without the
 dead replica.
 
+A batch that enters a step is in the model as soon as its contribution reaches the peers: they
+may commit the step even if this group dies before its own vote. So the layer hands the batch
+to ``on_contribute`` (the trainer's ledger) before its first cross-replica collective; a
+record of a batch that no committed step holds is dropped when the group next starts (the
+ledger is cut back to the committed cursor).
+
 A group's data cursor travels with the state (``DataCursor`` holds every group's), so a group
 that takes a peer's state learns from it which of its own batches that state has trained: the
 batch in hand (the step's vote failed here after the peers committed it) or none.
@@ -85,6 +91,7 @@ class NullReplica:
     """No replica layer: one group, every step commits."""
 
     enabled = False
+    on_contribute = None
 
     def begin(self) -> None:
         pass
@@ -166,6 +173,9 @@ class ReplicaLayer:
         self._header: Header | None = None
         self._stash: dict | None = None  # a peer's state, until the group's vote
         self._joining = False
+        # (step, batch): called with this group's batch before it enters the step's first
+        # cross-replica collective (from then on the peers may commit it)
+        self.on_contribute: Callable[[int, object], None] | None = None
         timeout = timedelta(seconds=ft.timeout_s)
         self.pg = wrap_process_group(ProcessGroupGloo(timeout=timeout), faults, lambda: self._step)
         manager = Manager(
@@ -238,12 +248,14 @@ class ReplicaLayer:
         self.wait_quorum()  # a peer's snapshot for a group catching up is taken before any write
         self.side.touch(touched)
 
-    def exchange_rows(self, keys: torch.Tensor, present: bool = True) -> RowPlan:
+    def exchange_rows(self, keys: torch.Tensor, batch=None) -> RowPlan:
         """The step's header and the union of every group's row ``keys`` (sorted unique keys of
-        the table side's row space). ``present``: this group's batch is in the step (not when it
-        catches up)."""
+        the table side's row space). ``batch``: this group's batch in the step (None: no batch,
+        a group that catches up)."""
         self.wait_quorum()
-        present = present and self.manager.is_participating()
+        present = batch is not None and self.manager.is_participating()
+        if present and self.on_contribute is not None:
+            self.on_contribute(self._step, batch)
         header = pack_header(self.replicas, self.replica, self.cursor.next_batch + 1 if present else None,
                              len(keys))
         if not self._allreduce(header, absent_zero=False):
@@ -435,7 +447,7 @@ class ReplicaLayer:
 
     def _zero_step(self, abstain: bool = False) -> Vote:
         """Take part in the peers' step with zeros (no batch); ``abstain``: vote against it."""
-        plan = self.exchange_rows(NO_KEYS, present=False)
+        plan = self.exchange_rows(NO_KEYS, batch=None)
         for p in self.dense_params:
             p.grad = torch.zeros_like(p)
         if abstain:

@@ -41,9 +41,27 @@ class Ledger:
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         rewind_jsonl(self.path, lambda record: position_after(record["batch"]) <= keep_before)
         self._file = open(self.path, "a")
+        self._entered: int | None = None  # a batch written as it entered a step not yet committed
+
+    def entering(self, step: int, batch: int, sample_ids: torch.Tensor) -> None:
+        """Under the replica layer: ``batch`` enters ``step``'s cross-replica collectives, after
+        which the peers may commit it even if this rank dies before its own vote; so it is
+        written now. Written once however often the step is tried; the trainer's ``record`` at
+        the commit confirms it. A record of a batch that no committed step holds is dropped at
+        the group's next start (``keep_before``: the committed cursor)."""
+        if batch != self._entered:
+            self._write(step, batch, sample_ids)
+            self._entered = batch
 
     def record(self, step: int, batch: int, sample_ids: torch.Tensor) -> None:
-        """One trained step; flushed at once, so a crash loses no step that completed."""
+        """A batch trained in the committed ``step``."""
+        if batch == self._entered:
+            self._entered = None
+            return
+        self._write(step, batch, sample_ids)
+
+    def _write(self, step: int, batch: int, sample_ids: torch.Tensor) -> None:
+        """Flushed at once, so a crash loses no step that completed."""
         self._file.write(json.dumps({"step": step, "replica": self.replica, "rank": self.rank, "batch": int(batch),
                                      "sample_ids": sample_ids.tolist()}) + "\n")
         self._file.flush()
@@ -54,6 +72,9 @@ class Ledger:
 
 class NullLedger:
     """The ledger off: nothing is recorded."""
+
+    def entering(self, step: int, batch: int, sample_ids) -> None:
+        pass
 
     def record(self, step: int, batch: int, sample_ids) -> None:
         pass

@@ -117,9 +117,10 @@ class VotedOptimizer:
     averaged over the group by DDP, averaged over the groups; the tables' changes added up
     when a sync is due; the vote; the dense optimizer steps only if the step committed)."""
 
-    def __init__(self, optimizer, replica) -> None:
+    def __init__(self, optimizer, replica, in_hand) -> None:
         self.optimizer = optimizer
         self.replica = replica
+        self.in_hand = in_hand  # the batch being trained
         self.vote = COMMITTED
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -127,7 +128,7 @@ class VotedOptimizer:
 
     def step(self, closure=None) -> None:
         replica, tables = self.replica, self.replica.side
-        plan = replica.exchange_rows(tables.keys(replica.wait_quorum()))
+        plan = replica.exchange_rows(tables.keys(replica.wait_quorum()), self.in_hand())
         self.vote = replica.finish(plan, tables.values(plan))
         self.optimizer.zero_grad(set_to_none=True)
 
@@ -163,7 +164,7 @@ class ReplicaSparseDist(Pipeline):
 
     def __init__(self, model, optimizer, device, timeline, replica) -> None:
         self.tables = replica.side.tables
-        self.voted = VotedOptimizer(optimizer, replica)
+        self.voted = VotedOptimizer(optimizer, replica, self._in_hand)
         super().__init__(_sparse_dist(model, self.voted, device, timeline), model)
         self.replica = replica
         self.device = device
@@ -189,6 +190,10 @@ class ReplicaSparseDist(Pipeline):
                 out = self._train_alone(batch)
         self._again = None if self.vote.trained else batch
         return out
+
+    def _in_hand(self):
+        """The batch the step trains: one trained again, or the oldest TorchRec has drawn."""
+        return self._again if self._again is not None else self._drawn[0]
 
     def _drawing(self, batches: Iterator) -> _Drawn:
         if self._source is None or self._source.source is not batches:

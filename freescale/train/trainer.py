@@ -199,6 +199,7 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     ledger = build_ledger(cfg.train.ledger, run_dir, replica=topo.replica_id, rank=topo.rank,
                           keep_before=cursor.next_batch, position_after=loader.position_after)
     closing.callback(ledger.close)
+    replica.on_contribute = lambda step, batch: ledger.entering(step, int(batch.batch_index), batch.sample_ids)
 
     # The loop. Python's collector runs on a schedule shared by all ranks: left to itself it
     # pauses one rank at a time, and every pause becomes a straggler bubble on the others.

@@ -285,6 +285,24 @@ def test_a_vote_lost_after_the_peers_committed_does_not_train_the_batch_again(tm
     assert_groups_agree(run, 2, tmp_path)
 
 
+def test_a_group_that_dies_at_its_vote_leaves_its_batch_counted_once(tmp_path):
+    # Group 1's process ends as it casts its step-10 vote, after every collective of the step:
+    # group 0 commits step 10 with group 1's batch in. The batch is in the model, so group 1's
+    # ledger must hold it although the group never saw the commit, and the group, restarted,
+    # catches up and goes on with the next batch.
+    run = tmp_path / "run"
+    proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--train.steps=30", "--checkpoint.at_end=true",
+                          "--ft.min_replicas=2", "--fault.at_step=10", "--fault.during=vote", "--fault.kind=exit",
+                          "--fault.replicas=[1]")
+    check(proc)
+    assert [f["at_step"] for f in summary["groups"][1]["failures"]] == [9]
+    assert [c["step"] for c in commits(run, 0)] == list(range(1, 31))
+    group1 = {c["step"]: c["next_batch"] for c in commits(run, 1)}
+    assert group1[9] == 9 and 10 not in group1 and group1[30] == 29  # its step-10 batch is trained once
+    assert_exactly_once(summary, 30)
+    assert_groups_agree(run, 2, tmp_path)
+
+
 def test_two_groups_of_own_tables_train_like_one_job_with_twice_the_batch(tmp_path):
     # Two groups of one rank, each with its own batch of 16, sum every step's row gradients
     # across the groups: that is one synchronous job of two ranks on the same samples (its

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from freescale.train.ledger import Ledger, audit, exactly_once, ledger_path
+from freescale.train.ledger import Ledger, audit, exactly_once, ledger_path, read_ledger
 from freescale.train.state import DataCursor
 
 # Two global batches of four samples; two ranks train two samples each.
@@ -63,6 +63,22 @@ def test_the_ledger_is_cut_back_by_batch_not_by_step(tmp_path):
     Ledger(str(tmp_path), replica=1, rank=0, keep_before=3, position_after=lambda b: (b - 1) // 2 + 1).close()
     with open(path) as f:
         assert [json.loads(line)["batch"] for line in f] == [1, 3, 5]
+
+
+def test_a_batch_is_written_as_it_enters_a_step_and_once_however_often_the_step_is_tried(tmp_path):
+    ledger = Ledger(str(tmp_path), replica=0, rank=0, keep_before=0, position_after=lambda b: b + 1)
+    ledger.entering(1, 0, torch.tensor([10]))  # written before the vote: this rank may die before it
+    assert [r["batch"] for r in read_ledger(str(tmp_path))] == [0]
+    ledger.entering(1, 0, torch.tensor([10]))  # the vote failed, the same batch tried again
+    ledger.record(1, 0, torch.tensor([10]))  # committed
+    ledger.record(2, 1, torch.tensor([11]))  # a step without the layer: written at the commit
+    ledger.record(3, 1, torch.tensor([11]))  # the same batch committed twice is seen twice
+    ledger.entering(4, 2, torch.tensor([12]))
+    ledger.close()  # ... and the process died before the step's outcome
+    assert [r["batch"] for r in read_ledger(str(tmp_path))] == [0, 1, 1, 2]
+    # Restarted where the committed steps left the cursor (batch 2 not trained): its record goes.
+    Ledger(str(tmp_path), replica=0, rank=0, keep_before=2, position_after=lambda b: b + 1).close()
+    assert [r["batch"] for r in read_ledger(str(tmp_path))] == [0, 1, 1]
 
 
 def test_the_cursor_holds_every_groups_position_and_takes_its_own_from_a_state():
