@@ -31,6 +31,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -185,6 +186,7 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
           + (f", kills {kills}" if plan else ""), file=out, flush=True)
 
     started = time.time()
+    previous = _on_terminate(_raise_exit)  # a SIGTERM tears the groups down, as Ctrl-C does
     try:
         for g in groups:
             g.start()
@@ -194,10 +196,22 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
             if g.proc is not None:
                 g.kill()
         lighthouse.shutdown()
+        _on_terminate(previous)
     summary = summarize(run_dir, cfg, groups, nproc, wall_s=time.time() - started, address=address)
     write_json_atomic(os.path.join(run_dir, SUMMARY_FILE), summary)
     _print_summary(summary, out)
     return summary
+
+
+def _raise_exit(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _on_terminate(handler):
+    """Install ``handler`` for SIGTERM (in the main thread only); the one it replaces."""
+    if handler is None or threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
 
 
 def _watch(groups: list[Group], kill_all: list[int], cfg: ExperimentConfig, restart_delay: float, max_restarts: int,

@@ -5,14 +5,18 @@ sample of every shard must be trained once, and the run must reach its last step
 
 import datetime
 import json
+import os
 import re
+import signal
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from helpers.launch import REPO, check, freescale, torchrun, train_losses
+from freescale.local import descendants
+from helpers.launch import REPO, check, freescale, start_freescale, torchrun, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -137,8 +141,9 @@ def test_a_killed_group_of_two_ranks_catches_up_group_atomically_and_finishes(tm
     assert [f["cause"] for f in failures] == ["killed"]
     before = [c for c in commits(run, 1) if c["time"] < failures[0]["down_at"] and c["trained"]]
     # Killed once 10 batches of its own shard were trained: the launcher polls the group's
-    # cursor every 50 ms, so on a busy machine a step or two more may commit before the kill.
-    assert 10 <= len(before) <= 12, len(before)
+    # cursor every 50 ms and steps here take 15-60 ms, so on a busy machine (the launcher
+    # waiting for a core) a few steps more may commit before the kill.
+    assert 10 <= len(before) <= 20, len(before)
     # Rank 0's fetch failed; rank 1's did not, and it dropped what it fetched at the group's vote.
     group1 = logs(run, 1)
     assert re.search(r"\[r1/0\] (step \d+ not committed|catching up in step \d+ failed) \(injected fault at step "
@@ -323,3 +328,35 @@ def test_two_groups_of_own_tables_train_like_one_job_with_twice_the_batch(tmp_pa
         assert model and all(k in got for k in model)
         for key in model:
             torch.testing.assert_close(got[key], reference[key], rtol=1e-3, atol=1e-4, msg=key)
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_terminated_launcher_leaves_no_process_behind(tmp_path):
+    # SIGTERM (a job scheduler's stop, `timeout`) to `freescale local` while its groups train:
+    # every torchrun agent and rank goes with it.
+    run = tmp_path / "run"
+    proc = start_freescale("local", "--config", FT_LOCAL, f"--run.dir={run}", "--replicas", "2", "--nproc", "1")
+    deadline = time.time() + 180
+    while not all((run / f"replica{r}" / "ft_cursor.json").exists() for r in range(2)):  # both groups commit
+        assert proc.poll() is None and time.time() < deadline, proc.returncode
+        time.sleep(0.2)
+    below = descendants(proc.pid)
+    try:
+        assert len(below) >= 4, below  # two agents, a rank each
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.time() + 30
+        while any(running(pid) for pid in below) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in below if running(pid)]
+    finally:  # (what a failure left behind must not load the tests that follow)
+        for pid in [proc.pid, *below]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -37,6 +37,12 @@ def freescale(*args: str, timeout: float = 300, env: dict | None = None) -> subp
                           capture_output=True, text=True, timeout=timeout)
 
 
+def start_freescale(*args: str) -> subprocess.Popen:
+    """``freescale ARGS`` started in the background, its output discarded."""
+    return subprocess.Popen([sys.executable, "-m", "freescale", *args], cwd=REPO, env=_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node=N -m freescale ARGS``."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
