@@ -94,7 +94,7 @@ class TableSync:
     # Rows as flat values: a block's tensors side by side ------------------------------------
 
     def _read(self, block: int, rows: torch.Tensor) -> torch.Tensor:
-        return torch.cat([t[rows].reshape(len(rows), -1) for t in self.blocks[block]], dim=1)
+        return torch.cat([t[rows].reshape(len(rows), _width(t)) for t in self.blocks[block]], dim=1)
 
     def _write(self, block: int, rows: torch.Tensor, values: torch.Tensor) -> None:
         at = 0

@@ -47,15 +47,18 @@ def train(sync: TableSync, block: int, rows: list[int], grads: torch.Tensor) -> 
     sync.committed()
 
 
-def sync_all(groups: list[TableSync], step: int, present=None) -> None:
+def sync_all(groups: list[TableSync], step: int, present=None, before_apply=lambda: None) -> None:
     """One sync step across ``groups`` (``present``: the ones that take part; the others
-    catch up in it and contribute nothing), then each applies the result."""
+    catch up in it: their keys and values are computed, then zeroed, as the layer's all-reduce
+    does), then ``before_apply`` (the vote: a group catching up loads the peer's state), then
+    each applies the result."""
     present = present or groups
-    keys = [g.keys(step) if g in present else torch.zeros(0, dtype=torch.int64) for g in groups]
+    keys = [g.keys(step) if g in present else g.keys(step)[:0] for g in groups]
     counts = torch.tensor([len(k) for k in keys])
     gathered = torch.stack([pack_keys(k, counts, i) for i, k in enumerate(keys)]).sum(0)
     plan = plan_rows(groups[0].space, gathered)
-    total = torch.stack([g.values(plan) if g in present else torch.zeros(plan.size) for g in groups]).sum(0)
+    total = torch.stack([g.values(plan) if g in present else g.values(plan).zero_() for g in groups]).sum(0)
+    before_apply()
     for g in groups:
         g.apply(plan, total.clone())
 
@@ -180,6 +183,26 @@ def test_a_group_catching_up_in_the_sync_step_takes_the_result_on_the_peers_stat
     copy_tables(late, a)  # late loads a's state at its vote, before the result applies
     late.load_state_dict(sent)
     sync_all([a, b, late], step=10, present=[a, b])
+    assert same(a, b) and same(a, late)
+
+
+def test_a_group_catching_up_after_its_own_batch_on_rows_the_peers_did_not_touch():
+    # With TorchRec's pipeline a group catching up in a sync step has run its batch: it touched
+    # rows, none of them among the peers' in one table (its part is computed, then zeroed).
+    torch.manual_seed(0)
+    a, b, late = group(), group(), group()
+    train(a, 0, [4], torch.randn(1, 4))
+    train(b, 0, [9], torch.randn(1, 4))
+    train(late, 0, [2], torch.randn(1, 4))
+    train(late, 1, [1], torch.randn(1, 4))
+    sent, peers = a.state_dict(), group()
+    copy_tables(peers, a)
+
+    def catch_up():
+        copy_tables(late, peers)
+        late.load_state_dict(sent)
+
+    sync_all([a, b, late], step=10, present=[a, b], before_apply=catch_up)
     assert same(a, b) and same(a, late)
 
 
