@@ -13,9 +13,10 @@ the replica layer, inside torchft's parts, where wrappers around them strike
 (``freescale.ft.faults``): ``quorum`` (the step's quorum), ``allreduce`` (the step's first
 cross-replica all-reduce), ``vote`` (after every collective of the step, as the group's
 vote is cast: a group that dies there leaves a step its peers commit with its batch in) or
-``recover`` (fetching a live peer's state, at the first catch-up at or after step N). Under the replica layer ``fault.replicas`` picks the groups (empty: every
-one), and a fault strikes once per run folder (a marker file under ``faults/``): the group,
-restarted with the same config, goes on.
+``recover`` (fetching a live peer's state, at the first catch-up at or after step N). Under
+the replica layer ``fault.replicas`` picks the groups (empty: every one), and a fault strikes
+once per run folder (a marker file under ``faults/``): the group, restarted with the same
+config, goes on.
 
 Off (``at_step: 0``, the default) the trainer holds a ``NullFaults`` that does nothing.
 """
