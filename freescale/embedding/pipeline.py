@@ -10,21 +10,24 @@ forward and backward, exchange the gradients and update every row, step the dens
 ``prioritized``: batch i+1's ids reach their owners while batch i computes (batch i+2's are
 on their way). Each owner splits the rows i+1 reads into collision rows (batch i writes them)
 and exclusive rows (``rows.py``) and tells the senders which of their ids are which (a small
-all-to-all of flags, waited for only after the backward). Step i:
+all-to-all of flags on the high lane). Step i:
 
-1. forward of batch i, on the rows assembled in step i-1;
-2. batch i-1's deferred gradients (rows i does not read; their exchange overlapped the
-   forward) are applied: the next line is the step's first read of the tables;
-3. every row batch i+1 reads is looked up and sent (normal lane), overlapped with the
-   backward; the collision rows among them will be sent again;
-4. backward of batch i; the dense all-reduce starts;
-5. batch i's collision gradients go first (high lane), the owners update those rows and send
+1. batch i+2 is loaded and its id exchange prepared;
+2. forward of batch i; its first read of its rows waits for them (the exclusive rows sent in
+   step i-1, the collision rows sent after batch i-1's update): everything since they were
+   sent overlapped the transfer;
+3. batch i-1's deferred gradients (rows i does not read; their exchange overlapped the loading
+   and the forward) are applied: the next line is the step's first read of the tables;
+4. batch i+1's rows are split at their owners, the flags exchanged, and only the exclusive
+   rows (batch i does not write them: they are final) looked up and sent (normal lane); no
+   row is sent twice;
+5. backward of batch i; the dense all-reduce starts; batch i+2's ids are sent;
+6. batch i's collision gradients go first (high lane), the owners update those rows and send
    batch i+1's collision rows (high lane): the only exchange waited for in full;
-6. batch i's other gradients are sent (normal lane), to be applied at 2. of the next step
+7. batch i's other gradients are sent (normal lane), to be applied at 3. of the next step
    (between a sender and an owner with few collision rows, the whole block with those rows
    zeroed: it is applied as it comes);
-7. the dense optimizer steps; batch i+1's rows are the early rows with the collision rows
-   overwritten.
+8. the dense optimizer steps. Nothing waits for batch i+1's rows here: the wait is at 2.
 
 Every row is updated by the same fused-optimizer arithmetic over the same gradients in the
 same order as in ``sync``, and read only after every update before it: the numerics are
@@ -36,13 +39,13 @@ across the groups and applied after the vote, in both pipelines: ``sync`` exchan
 it wrote with the other groups after its gradient exchange; ``prioritized`` does it between
 forward and backward, so that batch i+1's collision rows are those *any* group's batch i
 writes (the early rows are then final whatever the other groups do), waits for all of batch
-i's gradients (collision rows first, as above) before the vote, and sends batch i+1's
-collision rows once the update is in.
+i's gradients (collision rows first, as above) and for batch i+1's exclusive rows before the
+vote, and sends batch i+1's collision rows once the update is in.
 
 On CPU the exchanges run in the transport's threads (gloo's, or the ``host_staged`` proxy)
 while this rank's main thread computes; the timeline marks the waits: ``id_wait``,
-``flags_wait``, ``exclusive_wait`` (rows of the next batch, and deferred gradients) and
-``collision_wait``, and records each step's collision rate.
+``flags_wait``, ``exclusive_wait`` (a batch's rows, inside its forward at their first read; and
+deferred gradients) and ``collision_wait``, and records each step's collision rate.
 """
 
 from __future__ import annotations
@@ -143,11 +146,18 @@ class _Staged:
     pending: PendingRoute
     route: Route | None = None
     rows: torch.Tensor | None = None  # the batch's rows in batch order, once assembled
-    looked_up: torch.Tensor | None = None  # the owner's tracked lookup of the rows asked for (its backward updates them)
-    # Set when the next batch is known: which of this batch's ids (owner-major, as sent) and of
-    # the ids it received (shard-major, as owner) are collision rows.
+    # The owner's tracked lookup of rows asked for (its backward updates them), and which of
+    # the ids received (shard-major) it leaves out (None: none), looked up again when updated.
+    looked_up: torch.Tensor | None = None
+    left_out: torch.Tensor | None = None
+    # Set when the previous batch is known: which of this batch's ids (owner-major, as sent) and
+    # of the ids it received (shard-major, as owner) are collision rows.
     sent_collide: torch.Tensor | None = None
     owned_collide: torch.Tensor | None = None
+    # The rows on their way: the exclusive rows (sent early) and the collision rows (sent after
+    # the previous batch's update); assembled at the forward's first read.
+    exclusive: object | None = None
+    collision: object | None = None
 
     def wait_route(self) -> Route:
         if self.route is None:
@@ -156,57 +166,119 @@ class _Staged:
 
 
 class _Deferred:
-    """Gradients of rows the next batch does not read, on their way to their owners: applied
-    through the batch's tracked lookup, zero for the rows already updated."""
+    """Gradients of rows the next batch does not read, on their way to their owners (zero for
+    the collision rows, already updated)."""
 
-    def __init__(self, handle, looked_up: torch.Tensor, positions: torch.Tensor | None) -> None:
+    def __init__(self, handle, staged: _Staged, positions: torch.Tensor | None) -> None:
         self.handle = handle
-        self.looked_up = looked_up
-        self.positions = positions  # where the gradients go among the rows looked up (None: all, in order)
+        self.staged = staged
+        self.positions = positions  # where the gradients go among the ids received (None: all, in order)
 
 
-class EmbeddingPipeline:
-    """``progress(batches)`` trains one batch and returns its ``StepOutput``, like TorchRec's pipelines."""
+class OwnedTablesPipeline:
+    """What the pipelines over ``OwnedModel`` share: staging a batch, looking up its rows,
+    forward and backward, the dense step, the commit under the replica layer, evaluation.
+    ``progress(batches)`` trains one batch and returns its ``StepOutput``, like TorchRec's
+    pipelines; the subclasses say when the exchanges happen."""
 
     def __init__(self, model: OwnedModel, optimizer, transport, group: dist.ProcessGroup, timeline, *,
-                 prioritized: bool, replica=None) -> None:
+                 replica=None) -> None:
         self.model = model
         self.optimizer = optimizer
         self.transport = transport
         self.group = group
         self.timeline = timeline
-        self.prioritized = prioritized
         self.tables = model.tables
         self.dense_params = [p for p in model.task.parameters() if p.requires_grad]
-        self._cur: _Staged | None = None
-        self._next: _Staged | None = None
-        self._deferred: _Deferred | None = None
-        self._started = False
-        self.collision_rates: list[float] = []
         # The replica layer: each step is voted on; a batch whose step did not commit (or that
         # a group catching up did not train) is trained again.
         self.replica = replica if replica is not None else NullReplica()
         self.vote = COMMITTED
-        self._replay: Batch | None = None  # sync
-        self._replay_after: tuple | None = None  # prioritized: the batch after next, already staged
-
-    # Steps ---------------------------------------------------------------------------------
 
     def progress(self, batches: Iterator):
-        if not self.prioritized:
-            batch, self._replay = (self._replay or next(batches)), None
-            return self._sync_step(batch)
-        if not self._started:
-            self._started = True
-            first = next(batches)
-            self._cur = self._stage(first)
-            self._cur.rows = self._lookup_all(self._cur, track=not self.replica.enabled)
-            self._next = self._stage(next(batches, None))
-        if self._cur is None:
-            raise StopIteration
-        return self._prioritized_step(batches)
+        raise NotImplementedError
 
-    def _sync_step(self, batch: Batch):
+    def _commit(self, plan, ids: torch.Tensor, got: torch.Tensor, dense: "DenseReduction") -> bool:
+        """Under the replica layer: the dense gradients averaged over the group, then the rest of
+        the step across the groups (``ReplicaLayer.finish``: the row gradients ``got`` of the
+        owned ``ids`` summed over ``plan``, the vote, the update). Whether this group's batch is
+        in the model (if not, it is trained again)."""
+        with self.timeline.span("optimizer"):
+            dense.wait()
+        with self.timeline.span("vote"):
+            self.vote = self.replica.finish(plan, row_gradients(plan, ids, got))
+        return self.vote.trained
+
+    def _stage(self, batch: Batch | None, wait: bool = True) -> _Staged | None:
+        if batch is None:
+            return None
+        staged = _Staged(batch, self.tables.route(self.transport, self.model.segments(batch)))
+        if wait:
+            with self.timeline.span("id_wait"):
+                staged.wait_route()
+        return staged
+
+    def _lookup_all(self, staged: _Staged, track: bool = False) -> torch.Tensor:
+        """The batch's rows, every one looked up now (the sync path, the first batch, evaluation)."""
+        route = staged.wait_route()
+        looked_up = self.tables.lookup(route.ids, track=track)
+        staged.looked_up, staged.left_out = (looked_up if track else None), None
+        staged.exclusive = staged.collision = None
+        with self.timeline.span("exclusive_wait"):
+            got = self.transport.all_to_all_single(looked_up.detach(), route.recv_counts, route.send_counts).wait()
+        return route.to_batch(got)
+
+    def _forward_backward(self, batch: Batch, rows, between=None):
+        """Forward and backward of ``batch``; ``rows``: its rows, or a callable that waits for them
+        (called at the forward's first read)."""
+        with self.timeline.span("forward"):
+            leaf = (rows() if callable(rows) else rows).detach().requires_grad_()
+            loss, out = self.model.dense(batch, leaf)
+        if between is not None:
+            between()
+        with self.timeline.span("backward"):
+            loss.backward()
+        grads = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        return loss, out, grads
+
+    def _reduce_dense(self):
+        """Start averaging the dense gradients over the replica's ranks."""
+        return DenseReduction(self.dense_params, self.group)
+
+    def _dense_step(self, reduction: "DenseReduction | None" = None) -> None:
+        reduction = reduction or self._reduce_dense()
+        with self.timeline.span("optimizer"):
+            reduction.wait()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def drain(self) -> None:
+        """Apply every deferred update: the tables then hold what synchronous training would."""
+
+    def close(self) -> None:
+        """The transport is the builder's to close."""
+
+    @contextmanager
+    def evaluating(self):
+        """A callable ``model(batch) -> (loss, StepOutput)`` that looks up every row now (no update)."""
+        self.drain()
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                yield lambda batch: self.model.dense(batch, self._lookup_all(self._stage(batch)))
+        finally:
+            self.model.train()
+
+
+class SyncEmbeddingPipeline(OwnedTablesPipeline):
+    """The synchronous reference: every exchange of a step waited for where it is issued."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._replay: Batch | None = None  # a batch whose step did not commit
+
+    def progress(self, batches: Iterator):
+        batch, self._replay = (self._replay or next(batches)), None
         replica = self.replica
         replica.begin()
         staged = self._stage(batch)
@@ -223,18 +295,28 @@ class EmbeddingPipeline:
             self._replay = batch
         return out
 
-    def _commit(self, plan, ids: torch.Tensor, got: torch.Tensor, dense: "DenseReduction") -> bool:
-        """Under the replica layer: the dense gradients averaged over the group, then the rest of
-        the step across the groups (``ReplicaLayer.finish``: the row gradients ``got`` of the
-        owned ``ids`` summed over ``plan``, the vote, the update). Whether this group's batch is
-        in the model (if not, it is trained again)."""
-        with self.timeline.span("optimizer"):
-            dense.wait()
-        with self.timeline.span("vote"):
-            self.vote = self.replica.finish(plan, row_gradients(plan, ids, got))
-        return self.vote.trained
 
-    def _prioritized_step(self, batches: Iterator):
+class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
+    """Collision rows first, exclusive rows early and overlapped (the schedule in the module's docstring)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._cur: _Staged | None = None
+        self._next: _Staged | None = None
+        self._deferred: _Deferred | None = None
+        self._started = False
+        self._replay_after: tuple | None = None  # the batch after next, already staged, of a step trained again
+        self.collision_rates: list[float] = []
+
+    def progress(self, batches: Iterator):
+        if not self._started:
+            self._started = True
+            first = next(batches)
+            self._cur = self._stage(first)
+            self._cur.rows = self._lookup_all(self._cur, track=not self.replica.enabled)
+            self._next = self._stage(next(batches, None))
+        if self._cur is None:
+            raise StopIteration
         cur, nxt, tables, replica = self._cur, self._next, self.tables, self.replica
         replica.begin()
         # The batch after next: its id exchange starts now and ends during this step (a step
@@ -243,29 +325,26 @@ class EmbeddingPipeline:
             (after,), self._replay_after = self._replay_after, None
         else:
             after = self._stage(next(batches, None), wait=False) if nxt is not None else None
-        early = flags = plan = None
+        plan = None
 
         def between_forward_and_backward() -> None:
-            nonlocal early, flags, plan
-            # 1. Batch i-1's deferred gradients (their exchange overlapped the forward), before
-            # anything reads those rows: the early lookup below is this step's first read.
+            nonlocal plan
+            # Batch i-1's deferred gradients (their exchange overlapped the loading and the
+            # forward), before anything reads those rows: the lookup below is the step's first read.
             self._apply_deferred()
             written = cur.route.ids
             if replica.enabled:  # the rows every group's batch i writes
                 plan = replica.exchange_rows(torch.unique(written), cur.batch)
                 written = plan.rows(0)
             if nxt is not None:
-                # 2. Split batch i+1's rows at their owners and tell the senders (needed after
-                # the backward); send every row i+1 reads now, overlapped with the backward.
-                # The collision rows among them are sent again once batch i has updated them.
-                flags = self._split(cur, nxt, written)
-                route = nxt.route
-                nxt.looked_up = tables.lookup(route.ids, track=not replica.enabled)
-                early = self.transport.all_to_all_single(nxt.looked_up.detach(), route.recv_counts,
-                                                         route.send_counts, lane=NORMAL)
+                # Batch i+1's rows split at their owners; its exclusive rows (final: batch i does
+                # not write them) sent now, waited for at batch i+1's first read.
+                self._split(cur, nxt, written)
+                self._send_exclusive_rows(nxt)
 
-        # Batch i's forward and backward, on the rows assembled last step.
-        loss, out, grads = self._forward_backward(cur.batch, cur.rows, between=between_forward_and_backward)
+        # Batch i's forward (its first read waits for its rows) and backward.
+        loss, out, grads = self._forward_backward(cur.batch, lambda: self._rows(cur),
+                                                  between=between_forward_and_backward)
         dense = self._reduce_dense()
         if after is not None:
             with self.timeline.span("id_wait"):
@@ -278,12 +357,11 @@ class EmbeddingPipeline:
                 got = self.transport.all_to_all_single(sent, route.send_counts, route.recv_counts).wait()
             if replica.enabled:
                 return self._end_replicated(out, plan, got, dense)
-            tables.update_looked_up(cur.looked_up, got)
+            self._update(cur, got)
             self._dense_step(dense)
             self._cur, self._next = nxt, after
             return out
-        self._take_flags(cur, nxt, flags)
-        # 3. Collision gradients first; then the rest of batch i's gradients, deferred.
+        # Collision gradients first; then the rest of batch i's gradients, deferred.
         hot = cur.sent_collide
         collision = self.transport.all_to_all_single(
             _take(sent, hot), _per_owner(route, hot), _per_rank(route.recv_counts, cur.owned_collide), lane=HIGH)
@@ -291,28 +369,29 @@ class EmbeddingPipeline:
             deferred = self._send_deferred(cur, sent)
             with self.timeline.span("collision_wait"):
                 hot_got = collision.wait()
-            return self._finish_replicated(out, plan, self._all_gradients(cur, hot_got, deferred), dense, early, after)
+            return self._finish_replicated(out, plan, self._all_gradients(cur, hot_got, deferred), dense, after)
         with self.timeline.span("collision_wait"):
             got = collision.wait()
         tables.update(_take(route.ids, cur.owned_collide), got)
         # The owners send batch i+1's collision rows, now updated; then the deferred gradients
         # (after: nothing large competes with the collision exchange for the wire or the CPU).
-        late = self._send_collision_rows(nxt)
+        self._send_collision_rows(nxt)
         self._deferred = self._send_deferred(cur, sent)
         self._dense_step(dense)
-        self._assemble(nxt, early, late)
         self._cur, self._next = nxt, after
         if self._next is None:
             self.drain()  # the data ended: nothing is deferred past the last batch
         return out
 
-    def _finish_replicated(self, out, plan, got: torch.Tensor, dense, early, after):
+    def _finish_replicated(self, out, plan, got: torch.Tensor, dense, after):
         """Under the replica layer, the rest of step i once batch i's gradients are at their
-        owners: the vote (``_commit``), then batch i+1's rows. Nothing was written before the
-        vote; after a catch-up the tables are a peer's, so rows read before it are read anew."""
+        owners: the vote (``_commit``), then batch i+1's collision rows. Nothing was written
+        before the vote; after a catch-up the tables are a peer's, so rows read before it are
+        read anew. Batch i+1's exclusive rows are in before the vote: a step trained again
+        leaves no exchange of its own in flight."""
         cur, nxt = self._cur, self._next
         with self.timeline.span("exclusive_wait"):
-            early.wait()
+            nxt.exclusive = nxt.exclusive.wait()
         trained = self._commit(plan, cur.route.ids, got, dense)
         if not trained:  # the same batch again; the batch after next stays staged
             if self.vote.rewritten:
@@ -322,7 +401,7 @@ class EmbeddingPipeline:
         if self.vote.rewritten:
             nxt.rows = self._lookup_all(nxt)
         else:
-            self._assemble(nxt, early, self._send_collision_rows(nxt))
+            self._send_collision_rows(nxt)
         self._cur, self._next = nxt, after
         return out
 
@@ -336,27 +415,9 @@ class EmbeddingPipeline:
 
     # Parts ---------------------------------------------------------------------------------
 
-    def _stage(self, batch: Batch | None, wait: bool = True) -> _Staged | None:
-        if batch is None:
-            return None
-        staged = _Staged(batch, self.tables.route(self.transport, self.model.segments(batch)))
-        if wait:
-            with self.timeline.span("id_wait"):
-                staged.wait_route()
-        return staged
-
-    def _lookup_all(self, staged: _Staged, track: bool = False) -> torch.Tensor:
-        """The batch's rows, every one looked up now (the sync path, the first batch, evaluation)."""
-        route = staged.wait_route()
-        looked_up = self.tables.lookup(route.ids, track=track)
-        staged.looked_up = looked_up if track else None
-        with self.timeline.span("exclusive_wait"):
-            got = self.transport.all_to_all_single(looked_up.detach(), route.recv_counts, route.send_counts).wait()
-        return route.to_batch(got)
-
-    def _split(self, cur: _Staged, nxt: _Staged, written: torch.Tensor):
+    def _split(self, cur: _Staged, nxt: _Staged, written: torch.Tensor) -> None:
         """Collision rows at this owner: those of batch i+1 in ``written`` (what batch i writes);
-        the flags every sender needs, on their way."""
+        the flags exchanged, so that every sender knows which of its ids are which."""
         with self.timeline.span("id_wait"):
             nxt_route = nxt.wait_route()
         cur_route = cur.route
@@ -371,47 +432,81 @@ class EmbeddingPipeline:
         flags = torch.cat([torch.cat([cur_parts[r], nxt_parts[r]]) for r in range(W)]).to(torch.uint8)
         back = [cur_route.send_counts[r] + nxt_route.send_counts[r] for r in range(W)]
         ins = [cur_route.recv_counts[r] + nxt_route.recv_counts[r] for r in range(W)]
-        return self.transport.all_to_all_single(flags, ins, back, lane=HIGH)
-
-    def _take_flags(self, cur: _Staged, nxt: _Staged, handle) -> None:
-        """Which of this rank's ids of batch i and i+1 (owner-major) are collision rows."""
-        W = self.tables.world_size
+        handle = self.transport.all_to_all_single(flags, ins, back, lane=HIGH)
         with self.timeline.span("flags_wait"):
             got = handle.wait().bool()
-        sent = cur.route.send_counts
-        parts = torch.split(got, [sent[r] + nxt.route.send_counts[r] for r in range(W)])
+        sent = cur_route.send_counts
+        parts = torch.split(got, back)
         cur.sent_collide = torch.cat([parts[r][:sent[r]] for r in range(W)])
         nxt.sent_collide = torch.cat([parts[r][sent[r]:] for r in range(W)])
 
-    def _send_collision_rows(self, nxt: _Staged):
+    def _send_exclusive_rows(self, nxt: _Staged) -> None:
+        """Batch i+1's exclusive rows, looked up now, to their readers (normal lane); the lookup
+        is tracked (its backward applies batch i+1's deferred gradients) unless the replica layer
+        updates the rows."""
+        route, cold = nxt.route, ~nxt.owned_collide
+        every = bool(cold.all())
+        nxt.looked_up = self.tables.lookup(route.ids if every else _take(route.ids, cold), track=not self.replica.enabled)
+        nxt.left_out = None if every else nxt.owned_collide
+        nxt.exclusive = self.transport.all_to_all_single(nxt.looked_up.detach(), _per_rank(route.recv_counts, cold),
+                                                         _per_owner(nxt.route, ~nxt.sent_collide), lane=NORMAL)
+        if self.replica.enabled:
+            nxt.looked_up = None
+
+    def _send_collision_rows(self, nxt: _Staged) -> None:
         """Batch i+1's collision rows, looked up now (after batch i's update), to their readers."""
         hot = nxt.owned_collide
-        return self.transport.all_to_all_single(self.tables.lookup(_take(nxt.route.ids, hot)),
-                                                _per_rank(nxt.route.recv_counts, hot),
-                                                _per_owner(nxt.route, nxt.sent_collide), lane=HIGH)
+        nxt.collision = self.transport.all_to_all_single(self.tables.lookup(_take(nxt.route.ids, hot)),
+                                                         _per_rank(nxt.route.recv_counts, hot),
+                                                         _per_owner(nxt.route, nxt.sent_collide), lane=HIGH)
 
-    def _assemble(self, nxt: _Staged, early, late) -> None:
-        """Batch i+1's rows: the early rows, their collision rows overwritten by the late ones."""
-        with self.timeline.span("exclusive_wait"):
-            owner_major = early.wait()
-        with self.timeline.span("collision_wait"):
-            fresh = late.wait()
-        if fresh.numel():
-            owner_major.index_copy_(0, nxt.sent_collide.nonzero().squeeze(1), fresh)
-        nxt.rows = nxt.route.to_batch(owner_major)
+    def _rows(self, staged: _Staged) -> torch.Tensor:
+        """The batch's rows in batch order: the exclusive and the collision rows, waited for now."""
+        if staged.rows is None:
+            with self.timeline.span("exclusive_wait"):
+                cold = staged.exclusive if isinstance(staged.exclusive, torch.Tensor) else staged.exclusive.wait()
+            with self.timeline.span("collision_wait"):
+                hot = staged.collision.wait()
+            hot_at = staged.sent_collide
+            if not hot.numel():
+                owner_major = cold
+            else:
+                owner_major = cold.new_empty((len(hot_at), cold.shape[1]))
+                owner_major.index_copy_(0, (~hot_at).nonzero().squeeze(1), cold)
+                owner_major.index_copy_(0, hot_at.nonzero().squeeze(1), hot)
+            staged.rows = staged.route.to_batch(owner_major)
+            staged.exclusive = staged.collision = None
+        return staged.rows
+
+    def _update(self, staged: _Staged, got: torch.Tensor) -> None:
+        """Apply ``got`` (a gradient for every id the batch sent here, shard-major): through the
+        batch's tracked lookup, and the rows it does not cover (the collision rows of the step
+        before, a disjoint set: the fused optimizer's result is the same as in one call) looked up
+        again."""
+        if staged.left_out is None:
+            self.tables.update_looked_up(staged.looked_up, got)
+            return
+        self.tables.update_looked_up(staged.looked_up, _take(got, ~staged.left_out))
+        rest = staged.left_out.nonzero().squeeze(1)
+        self.tables.update(staged.route.ids.index_select(0, rest), got.index_select(0, rest))
 
     def _all_gradients(self, cur: _Staged, hot_got: torch.Tensor, deferred: "_Deferred") -> torch.Tensor:
         """Every gradient batch i's owner receives, as ``sync`` receives them (shard-major): the
         deferred part, then the collision rows in their places."""
-        with self.timeline.span("exclusive_wait"):
-            got = deferred.handle.wait()
-        if deferred.positions is not None:
-            full = got.new_zeros((len(cur.route.ids), got.shape[1]))
-            full.index_copy_(0, deferred.positions, got)
-            got = full
+        got = self._deferred_gradients(deferred)
         if hot_got.numel():
             got.index_copy_(0, cur.owned_collide.nonzero().squeeze(1), hot_got)
         return got
+
+    def _deferred_gradients(self, deferred: "_Deferred") -> torch.Tensor:
+        """What arrived of a deferred exchange, one row per id received (zero for the collision rows)."""
+        with self.timeline.span("exclusive_wait"):
+            got = deferred.handle.wait()
+        if deferred.positions is None:
+            return got
+        full = got.new_zeros((len(deferred.staged.route.ids), got.shape[1]))
+        full.index_copy_(0, deferred.positions, got)
+        return full
 
     def _send_deferred(self, cur: _Staged, sent: torch.Tensor) -> "_Deferred":
         """Send batch i's gradients other than the collision rows' (normal lane, applied next step).
@@ -435,10 +530,10 @@ class EmbeddingPipeline:
         outs = [n if w else n - h for n, h, w in zip(route.send_counts, hot_sent, whole_out)]
         ins = [n if w else n - h for n, h, w in zip(route.recv_counts, hot_owned, whole_in)]
         handle = self.transport.all_to_all_single(payload, outs, ins, lane=NORMAL)
-        # Where the owner puts what arrives among the rows it looked up (None: as it comes).
+        # Where the owner puts what arrives among the ids it received (None: as it comes).
         sources = torch.repeat_interleave(torch.arange(W), torch.tensor(route.recv_counts))
         placed = ~cur.owned_collide | torch.tensor(whole_in, dtype=torch.bool)[sources]
-        return _Deferred(handle, cur.looked_up, None if bool(placed.all()) else placed.nonzero().squeeze(1))
+        return _Deferred(handle, cur, None if bool(placed.all()) else placed.nonzero().squeeze(1))
 
     def _note_rate(self, collision: int, read: int) -> float:
         """This owner's collision rows / rows read; the step's record gets both counts."""
@@ -446,54 +541,18 @@ class EmbeddingPipeline:
         self.timeline.note("read_rows", read)
         return collision / read if read else 0.0
 
-    def _forward_backward(self, batch: Batch, rows: torch.Tensor, between=None):
-        leaf = rows.detach().requires_grad_()
-        with self.timeline.span("forward"):
-            loss, out = self.model.dense(batch, leaf)
-        if between is not None:
-            between()
-        with self.timeline.span("backward"):
-            loss.backward()
-        grads = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        return loss, out, grads
-
-    def _reduce_dense(self):
-        """Start averaging the dense gradients over the replica's ranks."""
-        return DenseReduction(self.dense_params, self.group)
-
-    def _dense_step(self, reduction: "DenseReduction | None" = None) -> None:
-        reduction = reduction or self._reduce_dense()
-        with self.timeline.span("optimizer"):
-            reduction.wait()
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
-
     def _apply_deferred(self) -> None:
         if self._deferred is not None:
             deferred, self._deferred = self._deferred, None
-            with self.timeline.span("exclusive_wait"):
-                got = deferred.handle.wait()
-            if deferred.positions is None:
-                grads = got
-            else:
-                grads = got.new_zeros(deferred.looked_up.shape)
-                grads.index_copy_(0, deferred.positions, got)
-            self.tables.update_looked_up(deferred.looked_up, grads)
+            self._update(deferred.staged, self._deferred_gradients(deferred))
 
     def drain(self) -> None:
         """Apply every deferred update: the tables then hold what synchronous training would."""
         self._apply_deferred()
 
-    @contextmanager
-    def evaluating(self):
-        """A callable ``model(batch) -> (loss, StepOutput)`` that looks up every row now (no update)."""
-        self.drain()
-        self.model.eval()
-        try:
-            with torch.no_grad():
-                yield lambda batch: self.model.dense(batch, self._lookup_all(self._stage(batch)))
-        finally:
-            self.model.train()
+
+PIPELINES = {"sync": SyncEmbeddingPipeline, "prioritized": PrioritizedEmbeddingPipeline}
+"""The pipelines over FreeScale's own tables, by ``train.pipeline``."""
 
 
 def _take(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

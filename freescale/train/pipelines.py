@@ -220,12 +220,12 @@ class _Owned:
 
     def __call__(self, model, optimizer, device, timeline, *, group, transport_cfg, replica=None):
         from freescale.distributed import new_group_like
-        from freescale.embedding.pipeline import EmbeddingPipeline
+        from freescale.embedding.pipeline import PIPELINES as OWNED
         from freescale.transport.registry import build_transport
 
         transport = build_transport(transport_cfg, new_group_like(group), lanes=2)
-        return OwnedPipeline(EmbeddingPipeline(model, optimizer, transport, group, timeline,
-                                               prioritized=self.prioritized, replica=replica), transport)
+        kind = OWNED["prioritized" if self.prioritized else "sync"]
+        return OwnedPipeline(kind(model, optimizer, transport, group, timeline, replica=replica), transport)
 
 
 class OwnedPipeline:

@@ -77,7 +77,7 @@ def _run(cfg: ExperimentConfig, mode: str, steps: int, topo, inputs, log) -> tup
             if topo.is_main and (step % max(1, steps // 4) == 0 or step == steps):
                 log(f"{mode}: step {step}/{steps}")
         pipeline.drain()
-        return losses, snapshot(model, optimizer), pipeline.inner.collision_rates
+        return losses, snapshot(model, optimizer), getattr(pipeline.inner, "collision_rates", [])
     finally:
         pipeline.close()
         balancer.close()

@@ -2,6 +2,7 @@
 gloo ranks; its schedule (what goes early, what goes on the high lane); ``freescale verify``."""
 
 import json
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -65,18 +66,43 @@ def _stream(rank):
 
 
 class RecordingTransport:
-    """A transport that logs what is issued, on which lane, between the model's forward passes."""
+    """A transport that logs what is issued (lane, row width, rows sent) and when it is waited for."""
 
     def __init__(self, inner, log):
         self.inner, self.log = inner, log
         self.rank, self.world_size = inner.rank, inner.world_size
 
     def all_to_all_single(self, tensor, ins, outs, lane=NORMAL):
-        self.log.append(("a2a", lane, tuple(tensor.shape[1:]), sum(ins)))
-        return self.inner.all_to_all_single(tensor, ins, outs, lane=lane)
+        issued = ("a2a", lane, tuple(tensor.shape[1:]), sum(ins), len(self.log))
+        self.log.append(issued)
+        return RecordedHandle(self.inner.all_to_all_single(tensor, ins, outs, lane=lane), issued, self.log)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
+
+
+class RecordedHandle:
+    def __init__(self, inner, issued, log):
+        self.inner, self.issued, self.log = inner, issued, log
+
+    def wait(self):
+        self.log.append(("wait", self.issued))
+        return self.inner.wait()
+
+
+class RecordingTimeline(NullTimeline):
+    """Logs the pipeline's spans as they open and close."""
+
+    def __init__(self, log):
+        self.log = log
+
+    @contextmanager
+    def span(self, kind):
+        self.log.append(("open", kind))
+        try:
+            yield
+        finally:
+            self.log.append(("close", kind))
 
 
 def _train(mode, rank, world, transport_kind, log=None, steps=None):
@@ -85,11 +111,11 @@ def _train(mode, rank, world, transport_kind, log=None, steps=None):
     torch.manual_seed(0)
     model = build_owned_model(cfg, num_items=ITEMS, max_uih_len=cfg.data.max_uih_len, topology=topo, seed=7)
     optimizer = build_dense_optimizer(model.task, cfg.train)
-    pipeline = build_pipeline(mode, model, optimizer, torch.device("cpu"), NullTimeline(), group=topo.pg,
+    pipeline = build_pipeline(mode, model, optimizer, torch.device("cpu"),
+                              NullTimeline() if log is None else RecordingTimeline(log), group=topo.pg,
                               transport_cfg=cfg.transport)
     if log is not None:
         pipeline.inner.transport = RecordingTransport(pipeline.inner.transport, log)
-        model.task.register_forward_pre_hook(lambda *_: log.append(("forward",)))
     batches = iter(_stream(rank)[:steps])
     losses = []
     try:
@@ -99,7 +125,7 @@ def _train(mode, rank, world, transport_kind, log=None, steps=None):
         pass
     pipeline.drain()
     state = snapshot(model, optimizer)
-    rates = list(pipeline.inner.collision_rates)
+    rates = list(getattr(pipeline.inner, "collision_rates", []))
     pipeline.close()
     return losses, state, rates
 
@@ -127,21 +153,41 @@ def test_prioritized_training_is_bitwise_equal_to_synchronous_updates(transport_
     run_ranks(2, _bitwise, transport_kind)
 
 
+ROWS = (8,)  # the width of the embedding rows and their gradients; ids and flags have none
+
+
 def _schedule(rank, world):
-    log = []
-    _train("prioritized", rank, world, "torch_dist", log=log, steps=8)
-    forwards = [i for i, e in enumerate(log) if e[0] == "forward"]
-    assert len(forwards) == 8
-    rows = [(i, e[1]) for i, e in enumerate(log) if e[0] == "a2a" and e[2] == (8,)]  # embedding rows and gradients
-    for j in range(1, 7):  # the steps with a batch after them
-        after = [lane for i, lane in rows if forwards[j] < i < forwards[j + 1]]
-        # After a step's forward: the next batch's rows (normal lane, while the backward runs);
-        # after its backward (it needs the gradients): the collision gradients and then the
-        # next batch's collision rows (high lane), and the other gradients (normal, deferred).
-        assert after == [NORMAL, HIGH, HIGH, NORMAL], (j, after)
+    log, sync_log = [], []
+    _, _, rates = _train("prioritized", rank, world, "torch_dist", log=log, steps=12)
+    _train("sync", rank, world, "torch_dist", log=sync_log, steps=12)
+    assert any(0.0 < r < 1.0 for r in rates[1:10]), rates  # steps with collision and exclusive rows both
+    forwards = [i for i, e in enumerate(log) if e == ("open", "forward")]
+    assert len(forwards) == 12
+    # What this rank sends as owner of the rows each batch reads, in the synchronous reference:
+    # its one row exchange, the last before the batch's forward.
+    sync_forwards = [i for i, e in enumerate(sync_log) if e == ("open", "forward")]
+    rows_of = [[e for e in sync_log[:f] if e[0] == "a2a" and e[2] == ROWS][-1][3] for f in sync_forwards]
+    for j in range(1, 10):  # the steps with a batch after them
+        window = log[forwards[j]:forwards[j + 1]]
+        issued = [e for e in window if e[0] == "a2a" and e[2] == ROWS]
+        # After step j's forward: batch j+1's exclusive rows (normal lane, while the backward runs);
+        # after its backward (it needs the gradients): the collision gradients and then batch
+        # j+1's collision rows (high lane), and the other gradients (normal, deferred).
+        assert [e[1] for e in issued] == [NORMAL, HIGH, HIGH, NORMAL], (j, issued)
+        exclusive, collision = issued[0], issued[2]
+        # Every row batch j+1 reads is sent once: the exclusive and the collision rows make up
+        # exactly what the synchronous step sends.
+        assert exclusive[3] + collision[3] == rows_of[j + 1], (j, exclusive, collision, rows_of[j + 1])
+        # The exclusive rows are waited for inside batch j+1's forward, not before: step j's dense
+        # optimizer step, the loading of batch j+2 and the sending of its ids overlap them.
+        waited = log.index(("wait", exclusive))
+        forward_ends = log.index(("close", "forward"), forwards[j + 1])
+        assert forwards[j + 1] < waited < forward_ends, (j, forwards[j + 1], waited, forward_ends)
+        optimizer_done = max(i for i, e in enumerate(window) if e == ("close", "optimizer")) + forwards[j]
+        assert optimizer_done < waited
 
 
-def test_exclusive_rows_go_early_and_collision_rows_on_the_high_lane():
+def test_each_row_goes_once_and_the_exclusive_rows_are_waited_for_at_the_next_forward():
     run_ranks(2, _schedule)
 
 
