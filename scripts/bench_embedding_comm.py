@@ -2,6 +2,15 @@
 
     .venv/bin/python scripts/bench_embedding_comm.py [--ranks 2 4] [--repeats 3] [--steps 40]
         [--rates 0 1 5 20 50 100] [--transport host_staged] [--set section.key=value ...]
+    .venv/bin/python scripts/bench_embedding_comm.py --hosts 2 --link-gbit 3 [--link-sweep 1.5 6] ...
+
+With ``--hosts N`` the ranks are N hosts of one rank each, joined by a link shaped to
+``--link-gbit`` Gbit/s per host (``scripts/shaped_hosts.py``: network namespaces, a bridge,
+``tc tbf``; needs root), each rank on its own core: every embedding exchange, the balancer's
+and the dense all-reduce cross the link, whose bytes take link time and no CPU. That is the
+regime prioritized communication is for; on one machine without a link, the exchanges are
+memory copies on the cores that compute, and overlapping them hides little. ``--link-sweep``
+repeats (a) at other link rates.
 
 Every run is a real ``torchrun`` job of ``configs/bench_embedding.yaml`` (a 2M-row item table of
 512-float rows projected to a 32-wide model, so the embedding exchanges are a real share of
@@ -18,12 +27,15 @@ the step) with bubble profiling on; the variants alternate within each repetitio
     writes; the hot-item probability that gives each is found from the data first), both
     pipelines at each rate on the first rank count: how exposed communication grows with it.
 
-Results go to ``runs/bench_embedding_comm.json``.
+Results go to ``runs/bench_embedding_comm.json``: per pipeline and repetition ``exposed_comm_ms``,
+``step_ms``, ``samples_per_s`` and ``collision_rate``, under ``low_collision``, ``sweep`` and
+(with ``--link-sweep``) ``link_sweep``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -40,7 +52,12 @@ from freescale.config import load_config  # noqa: E402
 from freescale.data.loader import build_sources  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
 
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from shaped_hosts import ShapedHosts, available  # noqa: E402
+
 CONFIG = os.path.join(REPO, "configs", "bench_embedding.yaml")
+DEFAULT_LINK_GBIT = 3.0
+"""With --hosts: the link rate at which TorchRec's exposed embedding communication is 25-50% of its step."""
 VARIANTS = ("sparse_dist", "sync", "prioritized")
 """TorchRec's pipeline; FreeScale's tables updated synchronously over the same transport as the
 prioritized pipeline (what the transport alone gives); the prioritized pipeline."""
@@ -71,14 +88,24 @@ def hot_prob_for(target: float, ranks: int, overrides: list[str]) -> float:
     return round((lo + hi) / 2, 5)
 
 
-def train_once(ranks: int, pipeline: str, steps: int, run_dir: str, extra: list[str]) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m", "freescale",
-           "train", "--config", CONFIG, f"--run.dir={run_dir}", f"--train.pipeline={pipeline}",
-           f"--train.steps={steps}", *extra]
+def train_once(ranks: int, pipeline: str, steps: int, run_dir: str, extra: list[str], hosts=None) -> dict:
+    """One training job (on ``hosts``, one rank each, when given); its figures from the bubble report."""
+    args = ["train", "--config", CONFIG, f"--run.dir={run_dir}", f"--train.pipeline={pipeline}",
+            f"--train.steps={steps}", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"training failed ({pipeline}, {ranks} ranks):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    if hosts is None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", "-m",
+               "freescale", *args]
+        procs = [subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)]
+    else:
+        agents = hosts.torchrun([*args, "--transport.host_name={host}"], run_id=os.path.basename(run_dir), env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        outs = [a.communicate() for a in agents]
+        procs = [subprocess.CompletedProcess(a.args, a.returncode, *out) for a, out in zip(agents, outs)]
+    failed = [p for p in procs if p.returncode != 0]
+    if failed:
+        raise SystemExit(f"training failed ({pipeline}, {ranks} ranks):\n{failed[0].stdout[-3000:]}\n"
+                         f"{failed[0].stderr[-3000:]}")
     with open(os.path.join(run_dir, "report", "report.json")) as f:
         summary = json.load(f)["summary"]
     cfg = load_config(os.path.join(run_dir, "config.yaml"))
@@ -107,11 +134,11 @@ def _show(s: dict, digits: int = 1) -> str:
     return f"{s['mean']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
 
 
-def compare(ranks: int, repeats: int, steps: int, extra: list[str], tmp: str, label: str) -> dict:
+def compare(ranks: int, repeats: int, steps: int, extra: list[str], tmp: str, label: str, hosts=None) -> dict:
     runs = {v: [] for v in VARIANTS}
     for rep in range(repeats):
         for v in VARIANTS:
-            r = train_once(ranks, v, steps, os.path.join(tmp, f"{label}-{ranks}-{v}-{rep}"), extra)
+            r = train_once(ranks, v, steps, os.path.join(tmp, f"{label}-{ranks}-{v}-{rep}"), extra, hosts)
             runs[v].append(r)
             rate = f"{100 * r['collision_rate']:.1f}%" if r["collision_rate"] is not None else "-"
             print(f"  rep {rep} {v:<12} exposed comm {r['exposed_comm_ms']:6.2f} ms | step {r['step_ms']:7.1f} ms | "
@@ -135,49 +162,81 @@ def compare(ranks: int, repeats: int, steps: int, extra: list[str], tmp: str, la
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--hosts", type=int, default=0,
+                        help="run on this many hosts of one rank each, joined by a shaped link (needs root)")
+    parser.add_argument("--link-gbit", type=float, default=DEFAULT_LINK_GBIT,
+                        help="with --hosts: each host's egress rate, Gbit/s")
+    parser.add_argument("--link-sweep", type=float, nargs="*", default=[],
+                        help="with --hosts: other link rates (Gbit/s) at which (a) is repeated")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--rates", type=float, nargs="*", default=[0, 1, 5, 20, 50, 100],
+    parser.add_argument("--rates", "--collision", type=float, nargs="*", default=[0, 1, 5, 20, 50, 100],
                         help="collision rates (percent) of the sweep; none to skip it")
     parser.add_argument("--sweep-repeats", type=int, default=1)
     parser.add_argument("--transport", default="host_staged", help="transport of the prioritized pipeline")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_embedding_comm.json"))
     args = parser.parse_args()
+    if args.hosts:
+        ok, why = available()
+        if not ok:
+            raise SystemExit(why)
+        if args.hosts > os.cpu_count():
+            raise SystemExit(f"--hosts {args.hosts}: one core per host, and this machine has {os.cpu_count()}")
+        args.ranks = [args.hosts]
 
     overrides = [f"--{kv.removeprefix('--')}" for kv in args.set]
     extra = [*overrides, f"--transport.kind={args.transport}"]
     cfg = load_config(CONFIG, overrides)
     m = cfg.model
+    where = (f"{args.hosts} hosts of one rank, links shaped to {args.link_gbit:g} Gbit/s" if args.hosts
+             else "one machine")
     print(f"model: {cfg.data.synthetic.num_items:,} items x {m.embedding_dim} floats, d_model {m.d_model or m.embedding_dim}, "
           f"{m.num_layers} layer(s); {cfg.data.batch_size} samples per rank, median UIH {cfg.data.synthetic.median_uih_len:g}; "
-          f"prioritized over {args.transport}; {args.steps} steps, {cfg.profile.warmup_steps} of warm-up")
+          f"prioritized over {args.transport}; {args.steps} steps, {cfg.profile.warmup_steps} of warm-up; {where}")
     started = time.time()
     result = {"config": CONFIG, "overrides": overrides, "transport": args.transport, "steps": args.steps,
-              "repeats": args.repeats, "low_collision": [], "sweep": []}
+              "repeats": args.repeats, "hosts": args.hosts, "link_gbit": args.link_gbit if args.hosts else None,
+              "low_collision": [], "sweep": [], "link_sweep": []}
+
+    def on_hosts(gbit: float):
+        """The shaped hosts of one link rate (nothing without --hosts)."""
+        if not args.hosts:
+            return contextlib.nullcontext()
+        return ShapedHosts(args.hosts, gbit, cpus=[[k] for k in range(args.hosts)])
+
     with tempfile.TemporaryDirectory() as tmp:
-        for ranks in args.ranks:
-            print(f"\n(a) {ranks} CPU ranks, hot_prob 0 (collision rate ~{100 * collision_rate(0.0, ranks, overrides):.1f}%)")
-            row = compare(ranks, args.repeats, args.steps, extra, tmp, "low")
-            result["low_collision"].append(row)
+        with on_hosts(args.link_gbit) as hosts:
+            for ranks in args.ranks:
+                print(f"\n(a) {ranks} ranks, hot_prob 0 (collision rate ~{100 * collision_rate(0.0, ranks, overrides):.1f}%)")
+                row = compare(ranks, args.repeats, args.steps, extra, tmp, "low", hosts)
+                row["link_gbit"] = args.link_gbit if args.hosts else None
+                result["low_collision"].append(row)
+                _print_table(row)
+            if args.rates:
+                ranks = args.ranks[0]
+                print(f"\n(b) collision-rate sweep on {ranks} ranks")
+                for target in args.rates:
+                    p = hot_prob_for(target / 100, ranks, overrides)
+                    print(f" target {target:g}%: hot_prob {p} (data: {100 * collision_rate(p, ranks, overrides):.1f}%)")
+                    row = compare(ranks, args.sweep_repeats, args.steps, [*extra, f"--data.synthetic.hot_prob={p}"],
+                                  tmp, f"sweep{target:g}", hosts)
+                    row.update(target_pct=target, hot_prob=p)
+                    result["sweep"].append(row)
+                print("\n| target rate | measured rate | exposed ms: TorchRec | sync | prioritized | TorchRec / prioritized |")
+                print("|---|---|---|---|---|---|")
+                for row in result["sweep"]:
+                    s = row["stats"]
+                    print(f"| {row['target_pct']:g}% | {100 * s['prioritized']['collision_rate']['mean']:.1f}% | "
+                          f"{s['sparse_dist']['exposed_comm_ms']['mean']:.2f} | {s['sync']['exposed_comm_ms']['mean']:.2f} | "
+                          f"{s['prioritized']['exposed_comm_ms']['mean']:.2f} | {row['exposed_comm_reduction_x']:.2f}x |")
+        for gbit in args.link_sweep if args.hosts else []:
+            print(f"\n(c) link shaped to {gbit:g} Gbit/s, hot_prob 0")
+            with on_hosts(gbit) as hosts:
+                row = compare(args.hosts, args.repeats, args.steps, extra, tmp, f"link{gbit:g}", hosts)
+            row["link_gbit"] = gbit
+            result["link_sweep"].append(row)
             _print_table(row)
-        if args.rates:
-            ranks = args.ranks[0]
-            print(f"\n(b) collision-rate sweep on {ranks} ranks")
-            for target in args.rates:
-                p = hot_prob_for(target / 100, ranks, overrides)
-                print(f" target {target:g}%: hot_prob {p} (data: {100 * collision_rate(p, ranks, overrides):.1f}%)")
-                row = compare(ranks, args.sweep_repeats, args.steps, [*extra, f"--data.synthetic.hot_prob={p}"], tmp,
-                              f"sweep{target:g}")
-                row.update(target_pct=target, hot_prob=p)
-                result["sweep"].append(row)
-            print("\n| target rate | measured rate | exposed ms: TorchRec | sync | prioritized | TorchRec / prioritized |")
-            print("|---|---|---|---|---|---|")
-            for row in result["sweep"]:
-                s = row["stats"]
-                print(f"| {row['target_pct']:g}% | {100 * s['prioritized']['collision_rate']['mean']:.1f}% | "
-                      f"{s['sparse_dist']['exposed_comm_ms']['mean']:.2f} | {s['sync']['exposed_comm_ms']['mean']:.2f} | "
-                      f"{s['prioritized']['exposed_comm_ms']['mean']:.2f} | {row['exposed_comm_reduction_x']:.2f}x |")
     result["seconds"] = round(time.time() - started, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_json_atomic(args.out, result)
@@ -186,7 +245,8 @@ def main() -> None:
 
 def _print_table(row: dict) -> None:
     s = row["stats"]
-    print(f"\n| pipeline ({row['ranks']} ranks) | exposed comm ms/step | step ms | samples/s | collision rate |")
+    link = f", {row['link_gbit']:g} Gbit/s link" if row.get("link_gbit") else ""
+    print(f"\n| pipeline ({row['ranks']} ranks{link}) | exposed comm ms/step | step ms | samples/s | collision rate |")
     print("|---|---|---|---|---|")
     for v in VARIANTS:
         rate = s[v]["collision_rate"]

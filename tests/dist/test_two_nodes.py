@@ -1,18 +1,25 @@
-"""Two nodes on one machine: two torchrun agents (node ranks 0 and 1, c10d rendezvous on
-loopback), each node's ranks reporting their own host name to the transport, so host_staged
-moves bytes through shared memory between the ranks of a node and over gloo between the
-nodes, in one training job. The job must train exactly like the same 4 ranks on one node with
-torch.distributed's collectives."""
+"""Two hosts joined by a shaped link (``scripts/shaped_hosts.py``: network namespaces, veth
+pairs, a bridge, ``tc tbf``): one torchrun agent per host, c10d rendezvous on the first host's
+address, each host's ranks reporting their host's name to the transport, so host_staged moves
+bytes through shared memory between the ranks of a host and over gloo across the link, in one
+training job. The job must train exactly like the same 4 ranks on one host with
+torch.distributed's collectives; and the helper must leave nothing behind, even killed."""
 
+import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
 from helpers.launch import FAST, QUICKSTART, REPO, _env, check, torchrun, train_losses
-from helpers.spawn import _free_port
 
-pytestmark = pytest.mark.slow
+sys.path.insert(0, str(REPO / "scripts"))
+from shaped_hosts import PREFIX, ShapedHosts, available, namespaces  # noqa: E402
+
+OK, WHY = available()
+pytestmark = [pytest.mark.slow, pytest.mark.skipif(not OK, reason=WHY)]
 
 # The balancer's sample exchange and the prioritized pipeline's id, row and gradient
 # exchanges all go through the transport.
@@ -20,40 +27,61 @@ JOB = ["train", "--config", str(QUICKSTART), *FAST, "--train.steps=6", "--balanc
        "--train.pipeline=prioritized"]
 
 
-def two_nodes(run, port: int, timeout: float = 600) -> list[subprocess.CompletedProcess]:
-    agents = []
-    for node in range(2):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node}",
-               "--nproc_per_node=2", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
-               "--rdzv-id=two-nodes", "-m", "freescale", *JOB, f"--run.dir={run}", "--transport.kind=host_staged",
-               f"--transport.host_name=node{node}"]
-        agents.append(subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                       text=True))
-    done = []
-    try:
+def test_two_shaped_hosts_train_like_one(tmp_path):
+    run = tmp_path / "two-hosts"
+    with ShapedHosts(2, gbit=0.5) as hosts:
+        agents = hosts.torchrun([*JOB, f"--run.dir={run}", "--transport.kind=host_staged",
+                                 "--transport.host_name={host}"], nproc_per_host=2, env=_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for agent in agents:
-            out, err = agent.communicate(timeout=timeout)
-            done.append(subprocess.CompletedProcess(agent.args, agent.returncode, out, err))
-    finally:  # a timeout or an interrupt: no agent outlives the test
-        for agent in agents:
-            if agent.poll() is None:
-                agent.kill()
-                agent.wait()
-    return done
-
-
-def test_two_nodes_train_like_one(tmp_path):
-    run = tmp_path / "two-nodes"
-    for agent in two_nodes(run, _free_port()):
-        check(agent)
+            out, err = agent.communicate(timeout=600)
+            check(subprocess.CompletedProcess(agent.args, agent.returncode, out, err))
     logs = sorted((run / "logs").glob("*.log"))
     assert len(logs) == 4
     for path in logs:
         layouts = [line for line in path.read_text().splitlines() if "host_staged:" in line]
-        # Every transport the rank opened: its node's other rank through memory, two ranks elsewhere.
+        # Every transport the rank opened: its host's other rank through memory, two ranks elsewhere.
         assert layouts and all("1 peer(s) on this host" in line and "2 on other hosts" in line
                                for line in layouts), (path.name, layouts)
-    reference = tmp_path / "one-node"
+    reference = tmp_path / "one-host"
     check(torchrun(4, *JOB, f"--run.dir={reference}", "--transport.kind=torch_dist"))
     losses = train_losses(run)
     assert sorted(losses) == list(range(1, 7)) and losses == train_losses(reference)
+
+
+def _links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+
+
+def test_a_killed_helper_leaves_no_namespace_link_or_process_behind(tmp_path):
+    links_before = _links()
+    helper = subprocess.Popen([sys.executable, str(REPO / "scripts" / "shaped_hosts.py"), "--hosts", "2",
+                               "--link-gbit", "1", "--", *JOB, "--train.steps=100000", f"--run.dir={tmp_path / 'run'}",
+                               "--transport.host_name={host}"], cwd=REPO, env=_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    mine = f"{PREFIX}-{helper.pid}-"
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "run" / "logs").is_dir():  # the job is up on both hosts
+            assert helper.poll() is None and time.monotonic() < deadline, "the job did not start"
+            time.sleep(0.2)
+        inside = [int(p) for ns in namespaces(mine)
+                  for p in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split()]
+        assert len(namespaces(mine)) == 3 and inside  # two hosts and the switch, processes on the hosts
+    finally:
+        os.kill(helper.pid, signal.SIGKILL)
+        helper.wait()
+    deadline = time.monotonic() + 60
+    while (namespaces(mine) or any(_alive(p) for p in inside)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert namespaces(mine) == [] and not [p for p in inside if _alive(p)]
+    assert _links() == links_before  # nothing was ever made in the machine's own namespace
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie waiting for its parent's wait is gone
+        return f.read().split(") ")[-1][0] != "Z"
