@@ -18,13 +18,13 @@ registry ``PIPELINES`` maps the config's name to the class, looked up once.
 from __future__ import annotations
 
 import contextlib
-from contextlib import contextmanager
 from collections import deque
 from typing import Callable, ContextManager, Iterator, Protocol
 
 import torch
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
+from freescale import compat
 from freescale.data.batch import Batch
 from freescale.ft.replica import COMMITTED, Vote
 from freescale.model.seqrec import StepOutput
@@ -94,39 +94,11 @@ class _TorchRecPipeline:
         return contextlib.nullcontext()
 
 
-def _kjt_dists(modules) -> list:
-    return [d._dist for m in modules for _, c in m.named_modules() if hasattr(c, "_input_dists")
-            for d in c._input_dists if hasattr(d, "_dist")]
-
-
-@contextmanager
-def _original_forwards(inner):
-    """Swap a sparse-dist pipeline's rewritten forwards for the originals, and back.
-
-    TorchRec's ``detach()``/``attach()`` would restart the input distribution of the batch in
-    flight on re-attach, issuing a collective that is never awaited; swapping the forwards
-    leaves the pipeline's in-flight state untouched.
-    """
-    modules = getattr(inner, "_pipelined_modules", [])
-    dists = _kjt_dists(modules)
-    pipelined = [m.forward for m in modules], [d.forward for d in dists]
-    for m, f in zip(modules, inner._original_forwards if modules else []):
-        m.forward = f
-    for d, f in zip(dists, inner._original_kjt_dist_forwards if modules else []):
-        d.forward = f
-    try:
-        yield
-    finally:
-        for m, f in zip(modules, pipelined[0]):
-            m.forward = f
-        for d, f in zip(dists, pipelined[1]):
-            d.forward = f
-
-
 class _ProfiledSparseDist(TrainPipelineSparseDist):
     """TrainPipelineSparseDist that marks its input-distribution calls on the timeline."""
 
     def __init__(self, *args, timeline, **kwargs) -> None:
+        compat.require_methods(TrainPipelineSparseDist, "start_sparse_data_dist", "wait_sparse_data_dist")
         super().__init__(*args, **kwargs)
         self._timeline = timeline
 
@@ -142,7 +114,7 @@ class _ProfiledSparseDist(TrainPipelineSparseDist):
 class SparseDistPipeline(_TorchRecPipeline):
     """``train.pipeline: sparse_dist``: TorchRec's ``TrainPipelineSparseDist``. Evaluation runs
     the plain model: the forwards the pipeline rewrote are swapped back for it
-    (``_original_forwards``), and the batches in flight are untouched."""
+    (``compat.original_forwards``), and the batches in flight are untouched."""
 
     def __init__(self, model, optimizer, device, timeline) -> None:
         instrument_phases(timeline, model, optimizer)
@@ -158,7 +130,7 @@ class SparseDistPipeline(_TorchRecPipeline):
         return cls(model, optimizer, device, timeline)
 
     def _plain_forwards(self) -> ContextManager:
-        return _original_forwards(self.inner)
+        return compat.original_forwards(self.inner)
 
 
 class BasePipeline(_TorchRecPipeline):
