@@ -22,6 +22,8 @@ from typing import Callable
 import torch
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import SplitTableBatchedEmbeddingBagsCodegen
 
+from freescale.compat import sharded_kernels
+
 RowBlock = list
 """A table's per-row tensors (weights first, then the optimizer's per-row state), views of its kernel."""
 
@@ -61,13 +63,9 @@ def rows_per_table(kernel: SplitTableBatchedEmbeddingBagsCodegen, indices: torch
 def find_kernels(model: torch.nn.Module) -> list[SplitTableBatchedEmbeddingBagsCodegen]:
     """The fused fbgemm kernels of a TorchRec model's sharded embedding modules, in module order."""
     kernels = []
-    for module in model.modules():
-        for lookup in getattr(module, "_lookups", None) or []:
-            lookup = getattr(lookup, "module", lookup)  # a lookup DMP wrapped for data parallelism
-            for emb in getattr(lookup, "_emb_modules", None) or []:
-                kernel = getattr(emb, "_emb_module", None)
-                if isinstance(kernel, SplitTableBatchedEmbeddingBagsCodegen) and kernel not in kernels:
-                    kernels.append(kernel)
+    for kernel in sharded_kernels(model):
+        if isinstance(kernel, SplitTableBatchedEmbeddingBagsCodegen) and kernel not in kernels:
+            kernels.append(kernel)
     return kernels
 
 

@@ -1,32 +1,68 @@
-"""Training pipelines, chosen by ``train.pipeline`` from a small registry.
+"""Training pipelines: one interface, ``TrainPipeline``, and one class per ``train.pipeline``.
 
-- ``sparse_dist``: TorchRec's ``TrainPipelineSparseDist``, the baseline. It starts batch
-  i+1's input distribution (the id all-to-all) while batch i computes, then blocks on the
-  embedding all-to-alls inside forward and backward.
-- ``base``: TorchRec's ``TrainPipelineBase``: no overlap, the synchronous reference.
-- ``prioritized`` and ``sync``: FreeScale's own row-wise sharded tables with the embedding
-  exchanges ordered by priority, or synchronous (``freescale.embedding.pipeline``).
+- ``sparse_dist`` (``SparseDistPipeline``): TorchRec's ``TrainPipelineSparseDist``, the
+  baseline. It starts batch i+1's input distribution (the id all-to-all) while batch i
+  computes, then blocks on the embedding all-to-alls inside forward and backward. Under the
+  replica layer: ``ReplicaSparseDist``.
+- ``base`` (``BasePipeline``): TorchRec's ``TrainPipelineBase``: no overlap, the synchronous
+  reference.
+- ``sync`` and ``prioritized`` (``SyncPipeline``, ``PrioritizedPipeline``): FreeScale's own
+  row-wise sharded tables, the embedding exchanges synchronous or ordered by priority
+  (``freescale.embedding.pipeline``), over a transport of their own.
 
-All take ``progress(iterator)`` and return the model's output for the batch they trained.
-Evaluation runs the plain model: the forwards a pipeline rewrote are swapped back for it, and
-the in-flight batches are untouched.
+Each class says which tables its model holds (``table_kind``: ``freescale.train.tables``) and is
+built by ``build(model, optimizer, device, timeline, *, group, transport_cfg, replica)``; the
+registry ``PIPELINES`` maps the config's name to the class, looked up once.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, ContextManager, Iterator, Protocol
 
 import torch
 from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
 
-from freescale.ft.replica import COMMITTED
+from freescale import compat
+from freescale.data.batch import Batch
+from freescale.ft.replica import COMMITTED, Vote
+from freescale.model.seqrec import StepOutput
 from freescale.profile.timeline import instrument_phases
+from freescale.train.tables import OWNED_TABLES, TORCHREC_TABLES
 
 
-class Pipeline:
-    """A TorchRec pipeline plus the model it drives."""
+class TrainPipeline(Protocol):
+    """What the training loop drives, in the shape of TorchRec's ``TrainPipeline``.
+
+    ``progress(batches)`` trains one batch drawn from ``batches`` (a pipeline may draw ahead)
+    and returns its ``StepOutput``. ``vote`` says how that step ended under the replica layer
+    (``COMMITTED`` without one): a step not ``stepped`` was rolled back, and the next
+    ``progress`` trains its batch again. ``drain()`` applies every update the trained batches
+    still owe the tables (before evaluation, a checkpoint, the end of the run).
+    ``evaluating()`` yields a callable ``model(batch) -> (loss, StepOutput)`` over the current
+    weights in eval mode and leaves the batches in flight untouched. ``close()`` releases what
+    the pipeline opened.
+    """
+
+    def progress(self, batches: Iterator[Batch]) -> StepOutput: ...
+
+    def drain(self) -> None: ...
+
+    def close(self) -> None: ...
+
+    def evaluating(self) -> ContextManager[Callable[[Batch], tuple]]: ...
+
+    @property
+    def vote(self) -> Vote: ...
+
+
+# TorchRec's pipelines --------------------------------------------------------------------------
+
+class _TorchRecPipeline:
+    """A TorchRec pipeline (``inner``) plus the DMP model it drives."""
+
+    table_kind = TORCHREC_TABLES
 
     def __init__(self, inner, model: torch.nn.Module) -> None:
         self.inner = inner
@@ -34,7 +70,7 @@ class Pipeline:
 
     vote = COMMITTED  # no replica layer here: every step commits
 
-    def progress(self, batches: Iterator):
+    def progress(self, batches: Iterator[Batch]) -> StepOutput:
         return self.inner.progress(batches)
 
     def drain(self) -> None:
@@ -43,10 +79,10 @@ class Pipeline:
     def close(self) -> None:
         pass
 
-    @contextmanager
+    @contextlib.contextmanager
     def evaluating(self):
-        """The plain model in eval mode; training mode and the pipelined forwards are restored after."""
-        with _original_forwards(self.inner):
+        """The plain model in eval mode; training mode is restored after."""
+        with self._plain_forwards():
             self.model.eval()
             try:
                 with torch.no_grad():
@@ -54,40 +90,15 @@ class Pipeline:
             finally:
                 self.model.train()
 
-
-def _kjt_dists(modules) -> list:
-    return [d._dist for m in modules for _, c in m.named_modules() if hasattr(c, "_input_dists")
-            for d in c._input_dists if hasattr(d, "_dist")]
-
-
-@contextmanager
-def _original_forwards(inner):
-    """Swap a sparse-dist pipeline's rewritten forwards for the originals, and back.
-
-    TorchRec's ``detach()``/``attach()`` would restart the input distribution of the batch in
-    flight on re-attach, issuing a collective that is never awaited; swapping the forwards
-    leaves the pipeline's in-flight state untouched.
-    """
-    modules = getattr(inner, "_pipelined_modules", [])
-    dists = _kjt_dists(modules)
-    pipelined = [m.forward for m in modules], [d.forward for d in dists]
-    for m, f in zip(modules, inner._original_forwards if modules else []):
-        m.forward = f
-    for d, f in zip(dists, inner._original_kjt_dist_forwards if modules else []):
-        d.forward = f
-    try:
-        yield
-    finally:
-        for m, f in zip(modules, pipelined[0]):
-            m.forward = f
-        for d, f in zip(dists, pipelined[1]):
-            d.forward = f
+    def _plain_forwards(self) -> ContextManager:
+        return contextlib.nullcontext()
 
 
 class _ProfiledSparseDist(TrainPipelineSparseDist):
     """TrainPipelineSparseDist that marks its input-distribution calls on the timeline."""
 
     def __init__(self, *args, timeline, **kwargs) -> None:
+        compat.require_methods(TrainPipelineSparseDist, "start_sparse_data_dist", "wait_sparse_data_dist")
         super().__init__(*args, **kwargs)
         self._timeline = timeline
 
@@ -100,14 +111,41 @@ class _ProfiledSparseDist(TrainPipelineSparseDist):
             return super().wait_sparse_data_dist(*args, **kwargs)
 
 
-def _sparse_dist(model, optimizer, device, timeline) -> TrainPipelineSparseDist:
-    instrument_phases(timeline, model, optimizer)
-    return _ProfiledSparseDist(model, optimizer, device, execute_all_batches=False, timeline=timeline)
+class SparseDistPipeline(_TorchRecPipeline):
+    """``train.pipeline: sparse_dist``: TorchRec's ``TrainPipelineSparseDist``. Evaluation runs
+    the plain model: the forwards the pipeline rewrote are swapped back for it
+    (``compat.original_forwards``), and the batches in flight are untouched."""
+
+    def __init__(self, model, optimizer, device, timeline) -> None:
+        instrument_phases(timeline, model, optimizer)
+        super().__init__(_ProfiledSparseDist(model, optimizer, device, execute_all_batches=False, timeline=timeline),
+                         model)
+
+    @classmethod
+    def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None
+              ) -> TrainPipeline:
+        """This pipeline, or ``ReplicaSparseDist`` under the replica layer."""
+        if replica is not None and replica.enabled:
+            return ReplicaSparseDist(model, optimizer, device, timeline, replica)
+        return cls(model, optimizer, device, timeline)
+
+    def _plain_forwards(self) -> ContextManager:
+        return compat.original_forwards(self.inner)
 
 
-def _base(model, optimizer, device, timeline) -> TrainPipelineBase:
-    instrument_phases(timeline, model, optimizer)
-    return TrainPipelineBase(model, optimizer, device)
+class BasePipeline(_TorchRecPipeline):
+    """``train.pipeline: base``: TorchRec's ``TrainPipelineBase`` (it rewrites no forward)."""
+
+    def __init__(self, model, optimizer, device, timeline) -> None:
+        instrument_phases(timeline, model, optimizer)
+        super().__init__(TrainPipelineBase(model, optimizer, device), model)
+
+    @classmethod
+    def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None
+              ) -> TrainPipeline:
+        if replica is not None and replica.enabled:
+            raise ValueError("train.pipeline base does not run under the replica layer")
+        return cls(model, optimizer, device, timeline)
 
 
 class VotedOptimizer:
@@ -152,7 +190,7 @@ class _Drawn:
         return batch
 
 
-class ReplicaSparseDist(Pipeline):
+class ReplicaSparseDist(SparseDistPipeline):
     """TorchRec's sparse-dist pipeline under the replica layer.
 
     Each step is voted on (``VotedOptimizer``); the rows its lookups read are saved for the
@@ -165,7 +203,7 @@ class ReplicaSparseDist(Pipeline):
     def __init__(self, model, optimizer, device, timeline, replica) -> None:
         self.tables = replica.side.tables
         self.voted = VotedOptimizer(optimizer, replica, self._in_hand)
-        super().__init__(_sparse_dist(model, self.voted, device, timeline), model)
+        super().__init__(model, self.voted, device, timeline)
         self.replica = replica
         self.device = device
         self._drawn: deque = deque()
@@ -201,7 +239,7 @@ class ReplicaSparseDist(Pipeline):
         return self._source
 
     def _train_alone(self, batch):
-        with _original_forwards(self.inner):
+        with self._plain_forwards():
             self.voted.zero_grad()
             losses, out = self.model(batch.to(self.device))
             torch.sum(losses, dim=0).backward()
@@ -212,55 +250,66 @@ class ReplicaSparseDist(Pipeline):
         self.tables.close()
 
 
-class _Owned:
-    """The pipelines over FreeScale's own tables, with a transport of their own (two lanes)."""
+# FreeScale's own tables -------------------------------------------------------------------------
 
-    def __init__(self, prioritized: bool) -> None:
-        self.prioritized = prioritized
+class _OwnedTablesPipeline:
+    """A pipeline over FreeScale's own tables (``inner``: ``freescale.embedding.pipeline``'s
+    schedule of that name) and the transport it closes (two lanes, over a group of its own made
+    like the replica's)."""
 
-    def __call__(self, model, optimizer, device, timeline, *, group, transport_cfg, replica=None):
-        from freescale.distributed import new_group_like
-        from freescale.embedding.pipeline import PIPELINES as OWNED
-        from freescale.transport.registry import build_transport
-
-        transport = build_transport(transport_cfg, new_group_like(group), lanes=2)
-        kind = OWNED["prioritized" if self.prioritized else "sync"]
-        return OwnedPipeline(kind(model, optimizer, transport, group, timeline, replica=replica), transport)
-
-
-class OwnedPipeline:
-    """An ``EmbeddingPipeline`` and the transport it closes."""
+    table_kind = OWNED_TABLES
+    schedule: str
 
     def __init__(self, inner, transport) -> None:
         self.inner = inner
         self.transport = transport
-        self.progress = inner.progress
-        self.drain = inner.drain
-        self.evaluating = inner.evaluating
+
+    @classmethod
+    def build(cls, model, optimizer, device, timeline, *, group, transport_cfg, replica=None) -> TrainPipeline:
+        from freescale.distributed import new_group_like
+        from freescale.embedding.pipeline import PIPELINES as SCHEDULES
+        from freescale.transport.registry import build_transport
+
+        transport = build_transport(transport_cfg, new_group_like(group), lanes=2)
+        return cls(SCHEDULES[cls.schedule](model, optimizer, transport, group, timeline, replica=replica), transport)
+
+    def progress(self, batches: Iterator[Batch]) -> StepOutput:
+        return self.inner.progress(batches)
+
+    def drain(self) -> None:
+        self.inner.drain()
+
+    def evaluating(self):
+        return self.inner.evaluating()
 
     @property
-    def vote(self):
-        """How the last step ended under the replica layer (``freescale.ft.replica.Vote``)."""
+    def vote(self) -> Vote:
         return self.inner.vote
 
     def close(self) -> None:
         self.transport.close()
 
 
-PIPELINES: dict[str, Callable] = {"sparse_dist": _sparse_dist, "base": _base,
-                                  "prioritized": _Owned(prioritized=True), "sync": _Owned(prioritized=False)}
-OWNED_PIPELINES = frozenset({"prioritized", "sync"})
+class SyncPipeline(_OwnedTablesPipeline):
+    """``train.pipeline: sync``: every exchange of a step waited for in turn (the reference)."""
+
+    schedule = "sync"
+
+
+class PrioritizedPipeline(_OwnedTablesPipeline):
+    """``train.pipeline: prioritized``: collision rows first, exclusive rows early, deferred
+    gradients applied in the next step."""
+
+    schedule = "prioritized"
+
+
+PIPELINES: dict[str, type] = {"sparse_dist": SparseDistPipeline, "base": BasePipeline, "sync": SyncPipeline,
+                              "prioritized": PrioritizedPipeline}
 
 
 def build_pipeline(name: str, model: torch.nn.Module, optimizer, device: torch.device, timeline, *,
-                   group=None, transport_cfg=None, replica=None):
+                   group=None, transport_cfg=None, replica=None) -> TrainPipeline:
     """The named pipeline; ``timeline`` receives its phase spans (a NullTimeline when not profiling);
     ``replica``: the replica layer the step votes with."""
-    if name in OWNED_PIPELINES:
-        return PIPELINES[name](model, optimizer, device, timeline, group=group, transport_cfg=transport_cfg,
-                               replica=replica)
-    if replica is not None and replica.enabled:
-        if name != "sparse_dist":
-            raise ValueError(f"train.pipeline {name} does not run under the replica layer")
-        return ReplicaSparseDist(model, optimizer, device, timeline, replica)
-    return Pipeline(PIPELINES[name](model, optimizer, device, timeline), model)
+    return PIPELINES[name].build(model, optimizer, device, timeline, group=group, transport_cfg=transport_cfg,
+                                 replica=replica)

@@ -32,28 +32,22 @@ import torch.distributed as dist
 from freescale import distributed
 from freescale.balance.balancer import build_balancer
 from freescale.balance.cost import CostModel, load_cost_model
-from freescale.config import ConfigError, ExperimentConfig, write_config
+from freescale.config import ExperimentConfig, write_config
 from freescale.data.loader import BatchLoader, SampleSource, build_sources, eval_batches
 from freescale.distributed import Topology
 from freescale.faults import build_faults
-from freescale.embedding.replicated import OwnedRows
 from freescale.ft.replica import ReplicaFiles, build_replica
-from freescale.ft.rows import FusedTables
-from freescale.ft.table_sync import TableSync
 from freescale.io import write_json_atomic
 from freescale.logging import log_file_path, log_to_file, setup_logging
-from freescale.model.seqrec import SeqRecModel
-from freescale.embedding.pipeline import build_owned_model
-from freescale.model.sharding import (build_dense_optimizer, build_optimizer, dense_parameters, dense_part,
-                                      shard_model)
 from freescale.profile.report import write_report
 from freescale.profile.straggler import inject_delay
 from freescale.profile.timeline import build_timeline
 from freescale.train.checkpoint import Checkpointer, job_checkpoints, resolve_checkpoint, run_dir_of
 from freescale.train.ledger import build_ledger
 from freescale.train.metrics import HeldOutMetrics, MetricsLog, read_metrics, require_tensorboard
-from freescale.train.pipelines import OWNED_PIPELINES, Pipeline, build_pipeline
+from freescale.train.pipelines import TrainPipeline
 from freescale.train.state import DataCursor, RNGState, TrainerState, TrainingState
+from freescale.train.training import build_training, check_device
 
 
 class TrainingError(RuntimeError):
@@ -81,9 +75,7 @@ def train(cfg: ExperimentConfig, topology: Topology | None = None) -> dict:
     """Run (or resume) the experiment; returns the summary also written to summary.json."""
     # Processes, devices, logging.
     device = distributed.resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", 0)))
-    if cfg.train.pipeline in OWNED_PIPELINES and device.type != "cpu":
-        raise ConfigError(f"train.pipeline: {cfg.train.pipeline} trains FreeScale's own tables, which run on CPU "
-                          f"for now; set run.device=cpu (resolved: {device.type})")
+    check_device(cfg, device)
     if cfg.run.tensorboard:
         require_tensorboard()
     topo = topology or distributed.init_distributed(device, cfg.train.backend)
@@ -141,19 +133,11 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     held_out = eval_batches(inputs.eval_source, num_samples=cfg.data.eval_samples, batch_size=cfg.data.batch_size,
                             rank=topo.rank, world_size=topo.world_size, user_hash_size=cfg.model.user_hash_size)
 
-    # Model: TorchRec's (built on the meta device, embedding tables sharded and materialized by
-    # DMP), or FreeScale's own tables for the pipelines that order the embedding exchanges.
+    # Model and optimizer, for the tables the pipeline trains: TorchRec's (sharded and
+    # materialized by DMP) or FreeScale's own (``freescale.train.tables``).
     torch.manual_seed(cfg.run.seed)
-    owned = cfg.train.pipeline in OWNED_PIPELINES
-    if owned:
-        model = build_owned_model(cfg, num_items=inputs.train_source.num_items, max_uih_len=cfg.data.max_uih_len,
-                                  topology=topo, seed=cfg.run.seed)
-        optimizer = build_dense_optimizer(model.task, cfg.train)
-    else:
-        model = SeqRecModel(cfg.model, cfg.embedding, num_items=inputs.train_source.num_items,
-                            max_uih_len=cfg.data.max_uih_len, device=torch.device("meta"))
-        model = shard_model(model, cfg.embedding, topo, device)
-        optimizer = build_optimizer(model, cfg.train)
+    training = build_training(cfg, num_items=inputs.train_source.num_items, topology=topo, device=device)
+    model, optimizer = training.model, training.optimizer
 
     # State that survives a restart; resume it from the checkpoint.
     trainer = TrainerState()
@@ -168,7 +152,7 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     timeline = build_timeline(cfg.profile, run_dir, rank=topo.rank, world_size=topo.world_size, threads=threads,
                               device_type=device.type, group=group)
     closing.callback(timeline.finish)
-    inject_delay(model.task if owned else model, timeline, rank=topo.rank, ranks=cfg.profile.delay_ranks,
+    inject_delay(training.dense_module, timeline, rank=topo.rank, ranks=cfg.profile.delay_ranks,
                  delay_ms=cfg.profile.delay_ms)
 
     # Balancer: every global batch re-partitioned by cost (a NullBalancer keeps contiguous slices).
@@ -182,12 +166,10 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     # before settles its state with the others before it draws a batch: it catches up from a
     # live group that is ahead, or, when every group was lost, loads the job's newest checkpoint.
     faults = build_faults(cfg.fault, topo.rank, cfg.ft.replica_id if cfg.ft.enable else None, run_dir)
-    dense_params = dense_parameters(model.task if owned else model)
-    replica = build_replica(cfg, topo, state, dense_params, optimizer if owned else dense_part(optimizer),
-                            table_side(cfg, model, owned), faults, run_dir)
+    replica = build_replica(cfg, topo, state, training.dense_parameters(), training.dense_optimizer,
+                            training.table_side(), faults, run_dir)
     closing.callback(replica.close)
-    pipeline = build_pipeline(cfg.train.pipeline, model, optimizer, device, timeline, group=group,
-                              transport_cfg=cfg.transport, replica=replica)
+    pipeline = training.build_pipeline(device, timeline, group=group, replica=replica)
     closing.callback(pipeline.close)
     if cfg.ft.enable and _has_run_before(run_dir):
         replica.join(None if resume_from else lambda: _restore_newest(checkpointer, state, run_dir, log))
@@ -257,19 +239,6 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         write_json_atomic(os.path.join(run_dir, "summary.json"), summary)
     dist.barrier(group=group)
     return summary
-
-
-def table_side(cfg: ExperimentConfig, model, owned: bool):
-    """What the replica layer does with the tables across the groups: FreeScale's own, sum each
-    step's row gradients; TorchRec's, add up the groups' changes every ``ft.embedding_sync_every``
-    steps (None without the layer)."""
-    if not cfg.ft.enable:
-        return None
-    if owned:
-        return OwnedRows(model.tables)
-    return TableSync(FusedTables(model), every=cfg.ft.embedding_sync_every, average=cfg.ft.embedding_sync == "average",
-                     checkpoint_every=cfg.checkpoint.every,
-                     last_step=cfg.train.steps)
 
 
 def _has_run_before(run_dir: str) -> bool:
@@ -342,7 +311,7 @@ def _log_progress(step: int, window: StepWindow, metrics: MetricsLog, log: loggi
     return StepWindow()
 
 
-def _evaluate(pipeline: Pipeline, held_out: list, log: logging.Logger, step: int, group: dist.ProcessGroup) -> dict:
+def _evaluate(pipeline: TrainPipeline, held_out: list, log: logging.Logger, step: int, group: dist.ProcessGroup) -> dict:
     """AUC, normalized entropy, calibration and log loss over every rank's held-out samples
     (TorchRec's metrics, reduced across the replica's ranks)."""
     metrics = HeldOutMetrics(group, batch_size=max((len(b.labels) for b in held_out), default=1))

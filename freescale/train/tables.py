@@ -1,0 +1,88 @@
+"""The two kinds of embedding tables a run trains, and what follows from each kind.
+
+- TorchRec's (``TORCHREC_TABLES``, under the ``sparse_dist`` and ``base`` pipelines):
+  ``SeqRecModel`` built on the meta device, its tables sharded and materialized by DMP with
+  the optimizer fused into backward; the optimizer combines the fused one with the dense one;
+  under the replica layer the groups add up their changes to the rows every
+  ``ft.embedding_sync_every`` steps (``TableSync``).
+- FreeScale's own (``OWNED_TABLES``, under ``sync`` and ``prioritized``): ``OwnedModel`` over
+  ``ShardedTables``, on CPU for now; the optimizer is the dense one alone, over the model's
+  task (the tables fuse their own); under the replica layer each step's row gradients are
+  summed across the groups (``OwnedRows``).
+
+Each pipeline class names its kind (``table_kind``), so the trainer never asks which it has.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from freescale.config import ConfigError, ExperimentConfig, TrainConfig
+from freescale.distributed import Topology
+from freescale.embedding.pipeline import build_owned_model
+from freescale.embedding.replicated import OwnedRows
+from freescale.ft.rows import FusedTables
+from freescale.ft.table_sync import TableSync
+from freescale.model.seqrec import SeqRecModel
+from freescale.model.sharding import build_dense_optimizer, build_optimizer, dense_part, shard_model
+
+
+class TorchRecTables:
+    """TorchRec's EmbeddingCollection tables, sharded by DistributedModelParallel."""
+
+    def check_device(self, pipeline: str, device: torch.device) -> None:
+        """They run wherever TorchRec does."""
+
+    def build_model(self, cfg: ExperimentConfig, *, num_items: int, topology: Topology,
+                    device: torch.device) -> nn.Module:
+        model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items, max_uih_len=cfg.data.max_uih_len,
+                            device=torch.device("meta"))
+        return shard_model(model, cfg.embedding, topology, device)
+
+    def build_optimizer(self, model: nn.Module, cfg: TrainConfig):
+        """The fused embedding optimizer and the dense one, combined."""
+        return build_optimizer(model, cfg)
+
+    def dense_module(self, model: nn.Module) -> nn.Module:
+        """The module whose non-fused parameters are the dense ones (DMP's: the whole model)."""
+        return model
+
+    def dense_optimizer(self, optimizer):
+        return dense_part(optimizer)
+
+    def table_side(self, cfg: ExperimentConfig, model: nn.Module) -> TableSync:
+        return TableSync(FusedTables(model), every=cfg.ft.embedding_sync_every,
+                         average=cfg.ft.embedding_sync == "average", checkpoint_every=cfg.checkpoint.every,
+                         last_step=cfg.train.steps)
+
+
+class OwnedTables:
+    """FreeScale's own row-wise sharded tables (``freescale.embedding``)."""
+
+    def check_device(self, pipeline: str, device: torch.device) -> None:
+        if device.type != "cpu":
+            raise ConfigError(f"train.pipeline: {pipeline} trains FreeScale's own tables, which run on CPU "
+                              f"for now; set run.device=cpu (resolved: {device.type})")
+
+    def build_model(self, cfg: ExperimentConfig, *, num_items: int, topology: Topology,
+                    device: torch.device) -> nn.Module:
+        return build_owned_model(cfg, num_items=num_items, max_uih_len=cfg.data.max_uih_len, topology=topology,
+                                 seed=cfg.run.seed)
+
+    def build_optimizer(self, model: nn.Module, cfg: TrainConfig):
+        """The dense optimizer alone, over the task."""
+        return build_dense_optimizer(model.task, cfg)
+
+    def dense_module(self, model: nn.Module) -> nn.Module:
+        return model.task
+
+    def dense_optimizer(self, optimizer):
+        return optimizer
+
+    def table_side(self, cfg: ExperimentConfig, model: nn.Module) -> OwnedRows:
+        return OwnedRows(model.tables)
+
+
+TORCHREC_TABLES = TorchRecTables()
+OWNED_TABLES = OwnedTables()
