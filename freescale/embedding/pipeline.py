@@ -18,9 +18,10 @@ all-to-all of flags on the high lane). Step i:
    sent overlapped the transfer;
 3. batch i-1's deferred gradients (rows i does not read; their exchange overlapped the loading
    and the forward) are applied: the next line is the step's first read of the tables;
-4. batch i+1's rows are split at their owners, the flags exchanged, and only the exclusive
-   rows (batch i does not write them: they are final) looked up and sent (normal lane); no
-   row is sent twice;
+4. only batch i+1's exclusive rows (batch i does not write them: they are final) are looked up
+   and sent (normal lane); no row is sent twice. (The split of batch i+1's rows and the flags
+   that tell each sender which of its ids are which went before the forward, on the high
+   lane: what batch i writes is known then.)
 5. backward of batch i; the dense all-reduce starts; batch i+2's ids are sent;
 6. batch i's collision gradients go first (high lane), the owners update those rows and send
    batch i+1's collision rows (high lane): the only exchange waited for in full;
@@ -326,20 +327,24 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         else:
             after = self._stage(next(batches, None), wait=False) if nxt is not None else None
         plan = None
+        # Batch i+1's rows split at their owners and the senders told which are which: what
+        # batch i writes is known before its forward (under the replica layer, only once the
+        # groups have said what theirs write), so the flags travel during the forward.
+        flags = self._split(cur, nxt, cur.route.ids) if nxt is not None and not replica.enabled else None
 
         def between_forward_and_backward() -> None:
-            nonlocal plan
+            nonlocal plan, flags
             # Batch i-1's deferred gradients (their exchange overlapped the loading and the
             # forward), before anything reads those rows: the lookup below is the step's first read.
             self._apply_deferred()
-            written = cur.route.ids
             if replica.enabled:  # the rows every group's batch i writes
-                plan = replica.exchange_rows(torch.unique(written), cur.batch)
-                written = plan.rows(0)
+                plan = replica.exchange_rows(torch.unique(cur.route.ids), cur.batch)
+                if nxt is not None:
+                    flags = self._split(cur, nxt, plan.rows(0))
             if nxt is not None:
-                # Batch i+1's rows split at their owners; its exclusive rows (final: batch i does
-                # not write them) sent now, waited for at batch i+1's first read.
-                self._split(cur, nxt, written)
+                # Batch i+1's exclusive rows (final: batch i does not write them) sent now,
+                # waited for at batch i+1's first read.
+                self._take_flags(cur, nxt, flags)
                 self._send_exclusive_rows(nxt)
 
         # Batch i's forward (its first read waits for its rows) and backward.
@@ -415,9 +420,9 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
 
     # Parts ---------------------------------------------------------------------------------
 
-    def _split(self, cur: _Staged, nxt: _Staged, written: torch.Tensor) -> None:
+    def _split(self, cur: _Staged, nxt: _Staged, written: torch.Tensor):
         """Collision rows at this owner: those of batch i+1 in ``written`` (what batch i writes);
-        the flags exchanged, so that every sender knows which of its ids are which."""
+        the flags every sender needs, on their way (high lane)."""
         with self.timeline.span("id_wait"):
             nxt_route = nxt.wait_route()
         cur_route = cur.route
@@ -432,11 +437,15 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         flags = torch.cat([torch.cat([cur_parts[r], nxt_parts[r]]) for r in range(W)]).to(torch.uint8)
         back = [cur_route.send_counts[r] + nxt_route.send_counts[r] for r in range(W)]
         ins = [cur_route.recv_counts[r] + nxt_route.recv_counts[r] for r in range(W)]
-        handle = self.transport.all_to_all_single(flags, ins, back, lane=HIGH)
+        return self.transport.all_to_all_single(flags, ins, back, lane=HIGH)
+
+    def _take_flags(self, cur: _Staged, nxt: _Staged, handle) -> None:
+        """Which of this rank's ids of batch i and i+1 (owner-major) are collision rows."""
+        W = self.tables.world_size
         with self.timeline.span("flags_wait"):
             got = handle.wait().bool()
-        sent = cur_route.send_counts
-        parts = torch.split(got, back)
+        sent = cur.route.send_counts
+        parts = torch.split(got, [sent[r] + nxt.route.send_counts[r] for r in range(W)])
         cur.sent_collide = torch.cat([parts[r][:sent[r]] for r in range(W)])
         nxt.sent_collide = torch.cat([parts[r][sent[r]:] for r in range(W)])
 

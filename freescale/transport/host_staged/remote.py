@@ -7,8 +7,8 @@ posted for the same peer and tag, and two collectives of different lanes may be 
 once, posted in another order on each rank.
 
 Gloo tells a send's or receive's completion only through a blocking ``wait``, so a waiter
-thread per lane waits for each collective's transfers in turn and marks it done: the proxy
-polls that mark and keeps stepping the other collectives meanwhile (a high-lane collective
+thread per lane waits for each collective's transfers in turn, marks it done and wakes the
+proxy (``on_done``), which keeps stepping the other collectives meanwhile (a high-lane collective
 that passes a normal one still in flight with another host goes on, and so does its peer's
 normal one, whichever it runs first). Within a lane the collectives come in the same order on
 every rank, so one waiter per lane never waits behind a transfer that cannot complete.
@@ -51,8 +51,9 @@ class Pending:
 
 class RemoteTransfers:
     def __init__(self, rank: int, remote: list[int], global_ranks: list[int], group: dist.ProcessGroup,
-                 timeout_s: float, lanes: int = 1) -> None:
+                 timeout_s: float, lanes: int = 1, on_done=lambda: None) -> None:
         self.rank = rank
+        self.on_done = on_done  # wakes the proxy: a collective's other-host part is over
         self.lanes = lanes
         self.remote = remote  # group ranks on other hosts
         self.global_ranks = global_ranks
@@ -94,6 +95,7 @@ class RemoteTransfers:
                 pending.error = e
             pending.op = None
             pending.done.set()
+            self.on_done()
 
     @staticmethod
     def finish(pending: Pending) -> bool:

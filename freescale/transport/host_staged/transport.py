@@ -105,9 +105,10 @@ class HostStagedTransport:
         self.peer_files = memory.PeerFiles(self.pids)
         self.staging = CudaStaging(self.pool) if torch.cuda.is_available() else None
         remote = [r for r in range(self.world_size) if not self.local[r]]
-        self.remote = RemoteTransfers(self.rank, remote, self._global, self.group, self.timeout_s, self.lanes)
         self.scheduler = Scheduler(self.rank, run=self._execute, on_failure=lambda op: self.wire.fail(op.key))
         self.scheduler.nudge = self.wire.nudge
+        self.remote = RemoteTransfers(self.rank, remote, self._global, self.group, self.timeout_s, self.lanes,
+                                      on_done=self.wire.nudge)
         here = sum(self.local) - 1
         log.info(f"host_staged: {here} peer(s) on this host ({host}, {self.local_path}), "
                  f"{len(remote)} on other hosts")
@@ -312,8 +313,8 @@ class HostStagedTransport:
                 if now >= next_check:
                     next_check = now + wire.CHECK_S
                 if not progressed:
-                    # Rings full or another host's part pending: look again soon (gloo says nothing on the wire).
-                    soon = any(run.exchange.ring_full or run.exchange.done for run in active)
+                    # Rings full: look again soon. Another host's part pending: its waiter nudges the wire.
+                    soon = any(run.exchange.ring_full for run in active)
                     self.wire.wait(0.001 if soon else min(wire.CHECK_S, max(0.0, deadline - now)))
         except BaseException as e:
             for run in active:
