@@ -1,14 +1,16 @@
 """FreeScale against TorchRec end to end: the two shipped experiments on the same model and data.
 
-    .venv/bin/python scripts/bench_e2e.py [--data synthetic ml100k] [--layouts 2 4 2x2]
-        [--repeats 3] [--steps 40] [--warmup 8] [--set section.key=value ...] [--out PATH]
+    .venv/bin/python scripts/bench_e2e.py [--data synthetic ml100k] [--layouts 2 4 2x2 2h]
+        [--link-gbit 3] [--repeats 3] [--steps 40] [--warmup 8] [--set section.key=value ...] [--out PATH]
 
 ``configs/baseline_torchrec.yaml`` (contiguous slices, TorchRec's TrainPipelineSparseDist,
 torch_dist) against ``configs/freescale.yaml`` (the balancer, the prioritized pipeline,
 host_staged), on each data source (``synthetic``: the configs' heavy-tailed histories;
 ``ml100k``: the data section of ``configs/ml100k.yaml``, MovieLens-100K) and each layout
 (``2`` and ``4``: one torchrun job of that many CPU ranks; ``2x2``: ``freescale local`` with 2
-replica groups of 2 ranks, the replica layer on). Every run is a real job with bubble
+replica groups of 2 ranks, the replica layer on; ``2h``: 2 hosts of one rank each, on a core of
+their own, joined by a link shaped to ``--link-gbit`` Gbit/s by ``scripts/shaped_hosts.py``,
+which needs root: every exchange between the ranks crosses the link). Every run is a real job with bubble
 profiling; the two experiments alternate within each repetition, and repetition k trains
 with ``run.seed = k`` in both (so the held-out AUC and NE have a run-to-run spread to be
 compared against).
@@ -43,6 +45,9 @@ sys.path.insert(0, REPO)
 
 from freescale.io import write_json_atomic  # noqa: E402
 
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from shaped_hosts import ShapedHosts, available  # noqa: E402
+
 EXPERIMENTS = {"baseline": os.path.join(REPO, "configs", "baseline_torchrec.yaml"),
                "freescale": os.path.join(REPO, "configs", "freescale.yaml")}
 ML100K = os.path.join(REPO, "configs", "ml100k.yaml")
@@ -75,11 +80,32 @@ def data_overrides(source: str) -> list[str]:
     raise SystemExit(f"--data: unknown source '{source}' (expected synthetic or ml100k)")
 
 
-def run_once(experiment: str, layout: str, run_dir: str, overrides: list[str]) -> dict:
+LINK_GBIT = 3.0
+"""The shaped hosts' link rate (Gbit/s per host's egress) by default."""
+
+
+def _on_hosts(layout: str, cmd_args: list[str], env: dict, link_gbit: float) -> subprocess.CompletedProcess:
+    """``freescale ARGS`` on N shaped hosts of one rank each (layout ``Nh``)."""
+    hosts = int(layout[:-1])
+    with ShapedHosts(hosts, link_gbit, cpus=[[k % (os.cpu_count() or 1)] for k in range(hosts)]) as shaped:
+        agents = shaped.torchrun([*cmd_args, "--transport.host_name={host}"], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+        outs = [a.communicate() for a in agents]
+    failed = [(a, out) for a, out in zip(agents, outs) if a.returncode]
+    a, out = failed[0] if failed else (agents[0], outs[0])
+    return subprocess.CompletedProcess(a.args, a.returncode, *out)
+
+
+def run_once(experiment: str, layout: str, run_dir: str, overrides: list[str], link_gbit: float = LINK_GBIT) -> dict:
     """One training job; its measures."""
     config = EXPERIMENTS[experiment]
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    if "x" in layout:
+    proc = None
+    if layout.endswith("h"):
+        replicas = 1
+        group_dirs = [run_dir]
+        proc = _on_hosts(layout, ["train", "--config", config, f"--run.dir={run_dir}", *overrides], env, link_gbit)
+    elif "x" in layout:
         replicas, nproc = (int(x) for x in layout.split("x"))
         cmd = [sys.executable, "-m", "freescale", "local", "--config", config, "--replicas", str(replicas),
                "--nproc", str(nproc), f"--run.dir={run_dir}", *overrides]
@@ -89,7 +115,7 @@ def run_once(experiment: str, layout: str, run_dir: str, overrides: list[str]) -
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m",
                "freescale", "train", "--config", config, f"--run.dir={run_dir}", *overrides]
         group_dirs = [run_dir]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    proc = proc or subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{experiment} on {layout} failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}\n"
                          f"{proc.stderr[-3000:]}")
@@ -177,7 +203,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", nargs="+", default=["synthetic", "ml100k"])
     parser.add_argument("--layouts", nargs="+", default=["2", "4", "2x2"],
-                        help="N: one job of N ranks; RxN: R replica groups of N ranks")
+                        help="N: one job of N ranks; RxN: R replica groups of N ranks; Nh: N shaped hosts of one rank")
+    parser.add_argument("--link-gbit", type=float, default=LINK_GBIT, help="the shaped hosts' link rate (Gbit/s)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8, help="steps left out of the bubble report's means")
@@ -185,9 +212,11 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_e2e.json"))
     args = parser.parse_args()
     for layout in args.layouts:
-        parts = layout.split("x")
-        if not all(p.isdigit() and int(p) > 0 for p in parts) or len(parts) > 2:
-            raise SystemExit(f"--layouts: expected N or RxN, got '{layout}'")
+        parts = layout.removesuffix("h").split("x")
+        if not all(p.isdigit() and int(p) > 0 for p in parts) or len(parts) > 2 or (layout.endswith("h") and len(parts) > 1):
+            raise SystemExit(f"--layouts: expected N, RxN or Nh, got '{layout}'")
+        if layout.endswith("h") and not available()[0]:
+            raise SystemExit(f"--layouts {layout}: {available()[1]}")
 
     common = common_overrides(args.steps, args.warmup, args.set)
     started = time.time()
@@ -205,7 +234,7 @@ def main() -> None:
                 for rep in range(args.repeats):
                     for e in EXPERIMENTS:
                         run_dir = os.path.join(tmp, f"{source}-{layout}-{e}-{rep}")
-                        r = run_once(e, layout, run_dir, [*overrides, *common, f"--run.seed={rep}"])
+                        r = run_once(e, layout, run_dir, [*overrides, *common, f"--run.seed={rep}"], args.link_gbit)
                         runs[e].append(r)
                         done += 1
                         print(f"[{done}/{total}] {source} {layout:>4} rep {rep} {e:<9} {r['samples_per_s']:7.0f} samples/s"
@@ -215,6 +244,8 @@ def main() -> None:
                 if first_pair is None:
                     first_pair = (runs["baseline"][-1]["run_dir"], runs["freescale"][-1]["run_dir"], source, layout)
                 row = {"data": source, "layout": layout, **compare(runs), "runs": runs}
+                if layout.endswith("h"):
+                    row["link_gbit"] = args.link_gbit
                 result["rows"].append(row)
                 print_table(source, layout, row)
         if first_pair:

@@ -10,7 +10,9 @@ With ``--hosts N`` the ranks are N hosts of one rank each, joined by a link shap
 and the dense all-reduce cross the link, whose bytes take link time and no CPU. That is the
 regime prioritized communication is for; on one machine without a link, the exchanges are
 memory copies on the cores that compute, and overlapping them hides little. ``--link-sweep``
-repeats (a) at other link rates.
+repeats (a) at other link rates. FreeScale's pipelines then use ``torch_dist`` by default: on a
+host of one core, whatever a transport's own threads spend is taken from the rank's compute,
+and gloo's spend least (``--transport host_staged`` adds its proxy's).
 
 Every run is a real ``torchrun`` job of ``configs/bench_embedding.yaml`` (a 2M-row item table of
 512-float rows projected to a 32-wide model, so the embedding exchanges are a real share of
@@ -173,7 +175,9 @@ def main() -> None:
     parser.add_argument("--rates", "--collision", type=float, nargs="*", default=[0, 1, 5, 20, 50, 100],
                         help="collision rates (percent) of the sweep; none to skip it")
     parser.add_argument("--sweep-repeats", type=int, default=1)
-    parser.add_argument("--transport", default="host_staged", help="transport of the prioritized pipeline")
+    parser.add_argument("--transport", default=None,
+                        help="transport of FreeScale's pipelines (default: host_staged on one machine, torch_dist "
+                             "with --hosts)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_embedding_comm.json"))
     args = parser.parse_args()
@@ -184,6 +188,10 @@ def main() -> None:
         if args.hosts > os.cpu_count():
             raise SystemExit(f"--hosts {args.hosts}: one core per host, and this machine has {os.cpu_count()}")
         args.ranks = [args.hosts]
+    if args.transport is None:
+        # A host of one core: what a transport's own threads spend is taken from the rank's
+        # compute, and gloo's threads spend least (host_staged adds its proxy's).
+        args.transport = "torch_dist" if args.hosts else "host_staged"
 
     overrides = [f"--{kv.removeprefix('--')}" for kv in args.set]
     extra = [*overrides, f"--transport.kind={args.transport}"]

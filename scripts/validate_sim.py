@@ -32,6 +32,18 @@ composition (straggler % and exposed communication), not the parameters themselv
 A figure passes when the simulated value is within 25% (relative) of the measured mean.
 
     .venv/bin/python scripts/validate_sim.py --out docs/results/sim_validation.json
+
+The shaped-link experiment (``--link-gbit 2 3``; ``--only link`` runs it alone; needs root):
+``configs/bench_embedding.yaml`` on 2 hosts of one rank each, joined by a link shaped to each
+rate (``scripts/shaped_hosts.py``), TorchRec's ``sparse_dist`` (the simulator's baseline)
+against the ``prioritized`` pipeline over ``torch_dist`` (its "freescale" variant), on
+exposed communication and step time. Measured apart: the cost model of that model
+(``freescale calibrate``); per pipeline, a calibration run on the shaped hosts (as in 2.; its
+collision rate too); per rate, gloo's all-to-all across the link at a small size and at the
+size of a step's row exchange (latency and bandwidth, ``sim.inter_*``); one rank and one core
+per host (``sim.ranks_per_host``, ``sim.cores_per_host``). The reference runs (3 per pipeline
+and rate, alternating) are measured in the same job, or read from a ``bench_embedding_comm.py
+--hosts 2`` JSON given with ``--link-measured FILE``.
 """
 
 from __future__ import annotations
@@ -60,11 +72,18 @@ from freescale.sim.simulator import LengthSampler, simulate_steps, variants  # n
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 import bench_e2e  # noqa: E402
+import bench_embedding_comm  # noqa: E402
+from shaped_hosts import ShapedHosts, available  # noqa: E402
 
 BASELINE = os.path.join(REPO, "configs", "baseline_torchrec.yaml")
 FREESCALE = os.path.join(REPO, "configs", "freescale.yaml")
 WITHIN = 0.25
 METRICS = ("straggler_pct", "exposed_comm_ms")
+LINK_CONFIG = bench_embedding_comm.CONFIG
+LINK_PIPELINES = {"baseline": "sparse_dist", "freescale": "prioritized"}
+"""The simulator's variants of the shaped-link experiment, and the pipeline each runs."""
+LINK_METRICS = ("exposed_comm_ms", "step_ms")
+LINK_TRANSPORT = "torch_dist"
 
 
 def run(cmd: list[str]) -> None:
@@ -84,19 +103,23 @@ CALIBRATION_SEED = 1000
 
 def measure_rank_costs(experiment: str, ranks: int, cost_model_path: str, work: str, steps: int = 85,
                        warmup: int = 5) -> dict:
-    """One calibration run of ``experiment`` on ``ranks`` ranks, with the ledger on: each rank's
-    step compute against the cost model's sum over the samples it trained (the ledger's ids,
-    regenerated from the data stream) gives ``compute_scale`` and ``step_overhead_ms`` (the
-    fit over the rank-steps), ``imbalance_share`` (within steps) and each rank's lateness that
-    leaves unpredicted (``jitter_steps``; their spread, ``compute_jitter``); the step records'
-    ``process_cpu`` less ``cpu`` the other threads' CPU (``background_cpu_ms``)."""
+    """One calibration run of ``experiment`` on ``ranks`` ranks, with the ledger on, fitted by ``fit_rank_costs``."""
     run_dir = os.path.join(work, f"calibrate-{experiment}-{ranks}")
     overrides = [*bench_e2e.common_overrides(steps, warmup), f"--run.seed={CALIBRATION_SEED}", "--train.ledger=true"]
     print(f"[calibrate] {experiment} on {ranks} rank(s)", flush=True)
     bench_e2e.run_once(experiment, str(ranks), run_dir, overrides)
     cfg = load_config(bench_e2e.EXPERIMENTS[experiment], [o.removeprefix("--") for o in overrides])
+    return fit_rank_costs(run_dir, cfg, ranks, load_cost_model(cost_model_path), warmup)
+
+
+def fit_rank_costs(run_dir: str, cfg, ranks: int, model, warmup: int) -> dict:
+    """A calibration run's ranks' step compute against the cost model's sum over the samples
+    each trained (the ledger's ids, regenerated from the data stream): ``compute_scale`` and
+    ``step_overhead_ms`` (the fit over the rank-steps), ``imbalance_share`` (within steps) and
+    each rank's lateness that leaves unpredicted (``jitter_steps``; their spread,
+    ``compute_jitter``); the step records' ``process_cpu`` less ``cpu`` the other threads' CPU
+    (``background_cpu_ms``)."""
     source, _ = build_sources(cfg.data, cfg.run.seed)
-    model = load_cost_model(cost_model_path)
     records = {}
     for r in range(ranks):
         with open(os.path.join(run_dir, "profile", f"rank{r}.jsonl")) as f:
@@ -140,17 +163,18 @@ def measure_rank_costs(experiment: str, ranks: int, cost_model_path: str, work: 
 
 _COMM_WORKER = r"""
 import os, sys, time, torch, torch.distributed as dist
-rank, world, path, out, busy, kind, repo = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
-                                            float(sys.argv[5]), sys.argv[6], sys.argv[7])
+rank, world, path, out, busy, kind, repo, big = (int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4],
+                                                 float(sys.argv[5]), sys.argv[6], sys.argv[7], int(sys.argv[8]))
 sys.path.insert(0, repo)
 from freescale.config import load_config
 from freescale.transport.registry import build_transport
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"file://{path}", rank=rank, world_size=world)
-transport = build_transport(load_config(f"{repo}/configs/freescale.yaml", [f"transport.kind={kind}"]).transport)
+transport = build_transport(load_config(f"{repo}/configs/freescale.yaml", [f"transport.kind={kind}",
+                                                                          f"transport.host_name=h{rank}"]).transport)
 a = torch.randn(256, 256)
 res = {}
-for nbytes, messages in ((1024, 8), (4 << 20, 1)):
+for nbytes, messages in ((1024, 8), (big, 1)):
     x = torch.zeros(nbytes // 4 // world * world)
     exposed = []
     for i in range(45):
@@ -165,7 +189,7 @@ for nbytes, messages in ((1024, 8), (4 << 20, 1)):
         dist.all_gather_object(ends, computed)
         exposed.append((done - max(ends)) / messages)  # past the last rank's compute: the exchanges' own time
     kept = sorted(exposed[5:])[2:-2]  # a trimmed mean: the odd descheduled iteration aside
-    res[nbytes] = sum(kept) / len(kept)
+    res["small" if nbytes == 1024 else "big"] = sum(kept) / len(kept)
 if rank == 0:
     open(out, "w").write(repr(res))
 dist.barrier()  # every rank is done exchanging; the figures are written
@@ -173,21 +197,24 @@ os._exit(0)  # no teardown: the measurement needs none, and gloo's can abort a p
 """
 
 
-def measure_comm(world: int, work: str, kind: str, busy_s: float = 0.03) -> dict:
+def measure_comm(world: int, work: str, kind: str, busy_s: float = 0.03, big: int = 4 << 20, hosts=None) -> dict:
     """All-to-all latency and bandwidth of transport ``kind`` on ``world`` processes of this
-    machine, each round of exchanges after ``busy_s`` of compute, as in a training step."""
-    store, out = os.path.join(work, f"store-{kind}-{world}"), os.path.join(work, f"comm-{kind}-{world}.txt")
-    procs = [subprocess.Popen([sys.executable, "-c", _COMM_WORKER, str(r), str(world), store, out, str(busy_s), kind,
-                               REPO]) for r in range(world)]
+    machine (one per shaped host, with ``hosts``), each round of exchanges after ``busy_s`` of
+    compute, as in a training step; the bandwidth from ``big`` bytes per rank."""
+    tag = f"{kind}-{world}" + (f"-{hosts.gbit:g}gbit" if hosts else "")
+    store, out = os.path.join(work, f"store-{tag}"), os.path.join(work, f"comm-{tag}.txt")
+    cmds = [[sys.executable, "-c", _COMM_WORKER, str(r), str(world), store, out, str(busy_s), kind, REPO, str(big)]
+            for r in range(world)]
+    procs = [subprocess.Popen(hosts.command(r, cmd) if hosts else cmd) for r, cmd in enumerate(cmds)]
     if any(p.wait(timeout=300) for p in procs):
         sys.exit(f"the {kind} all-to-all measurement on {world} processes failed")
     with open(out) as f:
         res = eval(f.read())  # noqa: S307 (our own repr of a dict of floats)
-    small, big = res[1024], res[4 << 20]
+    small, large = res["small"], res["big"]
     rounds = max(1, math.ceil(math.log2(world)))
-    moved = (4 << 20) * (world - 1) / world
-    return {"latency_us": 1e6 * small / rounds, "bandwidth_gbs": moved / max(big - small, 1e-9) / 1e9,
-            "small_ms": 1e3 * small, "big_ms": 1e3 * big}
+    moved = big * (world - 1) / world
+    return {"latency_us": 1e6 * small / rounds, "bandwidth_gbs": moved / max(large - small, 1e-9) / 1e9,
+            "small_ms": 1e3 * small, "big_ms": 1e3 * large, "big_bytes": big}
 
 
 def measured_rows(path: str) -> dict:
@@ -213,10 +240,109 @@ def measure_reference(ranks: list[int], repeats: int, steps: int, warmup: int, w
     return out
 
 
+# The shaped-link experiment ---------------------------------------------------------------------
+
+
+def link_row_bytes(cfg) -> int:
+    """One rank's bytes of a step's row exchange: its tokens (mean history and candidates) times a row."""
+    lengths, cands = LengthSampler(cfg).draw(np.random.default_rng(0), 4096)
+    return int(cfg.data.batch_size * float(np.mean(lengths + cands)) * cfg.model.embedding_dim * 4)
+
+
+def link_measured_rows(path: str) -> dict:
+    """{link rate: {variant: {metric: stats}}} of a ``bench_embedding_comm.py --hosts 2`` JSON."""
+    with open(path) as f:
+        data = json.load(f)
+    if not data.get("hosts"):
+        sys.exit(f"{path}: not a run on shaped hosts (bench_embedding_comm.py --hosts 2)")
+    return {float(row["link_gbit"]): {v: row["stats"][p] for v, p in LINK_PIPELINES.items()}
+            for row in [*data["low_collision"], *data.get("link_sweep", [])]}
+
+
+def measure_link(rates: list[float], cost_path: str, work: str, repeats: int, steps: int, warmup: int,
+                 measured: dict | None) -> dict:
+    """Per link rate: gloo's all-to-all across the link and (without ``measured``) the reference
+    runs; at the first rate, one calibration run per pipeline."""
+    cfg = load_config(LINK_CONFIG, [f"transport.kind={LINK_TRANSPORT}"])
+    model = load_cost_model(cost_path)
+    big = link_row_bytes(cfg)
+    out: dict = {"comm": {}, "calibration": {}, "measured": {}}
+    for gbit in rates:
+        with ShapedHosts(2, gbit, cpus=[[0], [1]]) as hosts:
+            out["comm"][gbit] = measure_comm(2, work, LINK_TRANSPORT, big=big, hosts=hosts)
+            print(f"[link {gbit:g} Gbit/s] all-to-all: {json.dumps(out['comm'][gbit])}", flush=True)
+            if not out["calibration"]:
+                for v, pipeline in LINK_PIPELINES.items():
+                    run_dir = os.path.join(work, f"calibrate-link-{pipeline}")
+                    print(f"[calibrate] {pipeline} on 2 shaped hosts", flush=True)
+                    figures = bench_embedding_comm.train_once(
+                        2, pipeline, 85, run_dir, [f"--transport.kind={LINK_TRANSPORT}", f"--run.seed={CALIBRATION_SEED}",
+                                                   "--train.ledger=true", f"--profile.warmup_steps={warmup}"], hosts)
+                    fit = fit_rank_costs(run_dir, load_config(os.path.join(run_dir, "config.yaml")), 2, model, warmup)
+                    out["calibration"][v] = {**fit, "collision_rate": figures["collision_rate"] or 0.0}
+            if measured is not None:
+                if gbit not in measured:
+                    sys.exit(f"--link-measured: no run at {gbit:g} Gbit/s (has {sorted(measured)})")
+                out["measured"][gbit] = measured[gbit]
+                continue
+            runs = {v: [] for v in LINK_PIPELINES}
+            for rep in range(repeats):
+                for v, pipeline in LINK_PIPELINES.items():
+                    r = bench_embedding_comm.train_once(
+                        2, pipeline, steps, os.path.join(work, f"ref-link-{gbit:g}-{pipeline}-{rep}"),
+                        [f"--transport.kind={LINK_TRANSPORT}", f"--run.seed={rep}", f"--profile.warmup_steps={warmup}"],
+                        hosts)
+                    runs[v].append(r)
+                    print(f"[reference] {gbit:g} Gbit/s rep {rep} {pipeline:<12} exposed comm {r['exposed_comm_ms']:6.1f} "
+                          f"ms | step {r['step_ms']:6.1f} ms", flush=True)
+            out["measured"][gbit] = {v: {m: bench_e2e._stats([x[m] for x in rs]) for m in LINK_METRICS}
+                                     for v, rs in runs.items()}
+    return out
+
+
+def simulate_link(link: dict, cost_path: str, steps: int) -> list[dict]:
+    """The simulator on 2 hosts of one rank and one core, with the link's and the calibration's
+    parameters, against the measured figures; one row per rate, variant and metric."""
+    model = load_cost_model(cost_path)
+    rows = []
+    for gbit, comm in link["comm"].items():
+        base = ["sim.ranks_per_host=1", "sim.cores_per_host=1", "sim.overlap_cpu_us=0",
+                f"transport.kind={LINK_TRANSPORT}", "train.pipeline=prioritized",
+                f"sim.inter_latency_us={comm['latency_us']}", f"sim.inter_bandwidth_gbs={comm['bandwidth_gbs']}"]
+        sampler = LengthSampler(load_config(LINK_CONFIG, base))
+        for v in variants(load_config(LINK_CONFIG, base)):
+            own = link["calibration"][v.name]
+            cfg = load_config(LINK_CONFIG, [*base, f"sim.compute_scale={own['compute_scale']}",
+                                            f"sim.step_overhead_ms={own['step_overhead_ms']}",
+                                            f"sim.imbalance_share={own['imbalance_share']}",
+                                            f"sim.compute_jitter={own['compute_jitter']}",
+                                            f"sim.jitter_steps={json.dumps(own['jitter_steps'])}",
+                                            f"sim.background_cpu_ms={own['background_cpu_ms']}",
+                                            f"sim.collision_rate={own['collision_rate']}"])
+            sim = simulate_steps(cfg, v, 2, model, sampler, seed=cfg.run.seed, steps=steps)
+            for metric in LINK_METRICS:
+                m = link["measured"][gbit][v.name][metric]
+                rows.append(_compared({"experiment": "shaped link", "link_gbit": gbit, "ranks": 2, "variant": v.name,
+                                       "metric": metric}, getattr(sim, metric), m))
+    return rows
+
+
+def _compared(row: dict, simulated: float, measured: dict) -> dict:
+    err = abs(simulated - measured["mean"]) / measured["mean"]
+    return {**row, "simulated": simulated, "measured": measured["mean"], "measured_min": measured["min"],
+            "measured_max": measured["max"], "relative_error": err, "within": err <= WITHIN}
+
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=("all", "ranks", "link"), default="all",
+                        help="the rank-count experiments, the shaped-link experiment, or both (the link one needs root)")
     parser.add_argument("--measured", default="", help="a bench_e2e JSON to compare with (default: measure now)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--link-gbit", type=float, nargs="+", default=[2.0, 3.0], help="the shaped link's rates")
+    parser.add_argument("--link-measured", default="",
+                        help="a bench_embedding_comm.py --hosts 2 JSON to compare with (default: measure now)")
     parser.add_argument("--repeats", type=int, default=3, help="reference runs per experiment and rank count")
     parser.add_argument("--train-steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8)
@@ -224,26 +350,65 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "sim_validation.json"))
     args = parser.parse_args()
+    ranks_on, link_on = args.only in ("all", "ranks"), args.only in ("all", "link")
+    if link_on and not available()[0]:
+        sys.exit(f"the shaped-link experiment: {available()[1]} (--only ranks runs the others)")
     t_start = time.perf_counter()
+    machine, comm, link, rows = {}, {}, None, []
     with tempfile.TemporaryDirectory() as work:
-        cost_path = os.path.join(work, "cost_model.json")
-        measure_cost_model(cost_path)
-        machine = {e: {R: measure_rank_costs(e, R, cost_path, work) for R in args.ranks}
-                   for e in bench_e2e.EXPERIMENTS}
-        comm = {(R, kind): measure_comm(R, work, kind) for R in args.ranks for kind in ("torch_dist", "host_staged")}
-        model = load_cost_model(cost_path)
-        if args.measured:
-            measured = measured_rows(args.measured)
-        else:
-            measured = measure_reference(args.ranks, args.repeats, args.train_steps, args.warmup, work)
+        if ranks_on:
+            cost_path = os.path.join(work, "cost_model.json")
+            measure_cost_model(cost_path)
+            machine = {e: {R: measure_rank_costs(e, R, cost_path, work) for R in args.ranks}
+                       for e in bench_e2e.EXPERIMENTS}
+            comm = {(R, kind): measure_comm(R, work, kind) for R in args.ranks for kind in ("torch_dist", "host_staged")}
+            measured = (measured_rows(args.measured) if args.measured else
+                        measure_reference(args.ranks, args.repeats, args.train_steps, args.warmup, work))
+            rows += simulate_ranks(args, machine, comm, measured, cost_path)
+        if link_on:
+            link_cost = os.path.join(work, "cost_model_link.json")
+            # A smaller table: the per-sample compute is the same, a dense gradient of 2M rows is not.
+            run([sys.executable, "-m", "freescale", "calibrate", "--config", LINK_CONFIG, "--out", link_cost,
+                 "--repeats", "3", "--data.synthetic.num_items=100000"])
+            link = measure_link(args.link_gbit, link_cost, work, args.repeats, 30, 6,
+                                link_measured_rows(args.link_measured) if args.link_measured else None)
+            rows += simulate_link(link, link_cost, args.steps)
+    all_pass = all(r["within"] for r in rows)
+
+    print(f"\n{'experiment':>12} {'ranks':>5} {'variant':>9} {'metric':>16} {'simulated':>10} {'measured (range)':>24} "
+          f"{'error':>7}")
+    for r in rows:
+        where = r.get("experiment", "") + (f" {r['link_gbit']:g}G" if "link_gbit" in r else "")
+        print(f"{where:>12} {r['ranks']:>5} {r['variant']:>9} {r['metric']:>16} {r['simulated']:>10.2f} "
+              f"{r['measured']:>8.2f} ({r['measured_min']:.2f}-{r['measured_max']:.2f}) {100 * r['relative_error']:>6.1f}% "
+              f"{'ok' if r['within'] else 'OUTSIDE'}")
+    print(f"\nall within {100 * WITHIN:.0f}%: {all_pass}")
+    result = {"within": WITHIN, "all_within": all_pass, "rows": rows, "seconds": round(time.perf_counter() - t_start, 1)}
+    if ranks_on:
+        result.update({"machine": {e: {str(R): v for R, v in rs.items()} for e, rs in machine.items()},
+                       "comm": {f"{kind} {R} ranks": v for (R, kind), v in comm.items()}, "cores_per_host": args.cores,
+                       "measured_from": os.path.relpath(args.measured, REPO) if args.measured else
+                       f"this job: {args.repeats} runs per experiment, {args.train_steps} steps, {args.warmup} warm-up"})
+    if link is not None:
+        result["link"] = {"config": os.path.relpath(LINK_CONFIG, REPO), "transport": LINK_TRANSPORT,
+                          "comm": {f"{g:g} Gbit/s": v for g, v in link["comm"].items()},
+                          "calibration": link["calibration"],
+                          "measured_from": os.path.relpath(args.link_measured, REPO) if args.link_measured else
+                          f"this job: {args.repeats} runs per pipeline and rate, 30 steps, 6 warm-up"}
+    write_json_atomic(args.out, result)
+    print(f"wrote {args.out}")
+
+
+def simulate_ranks(args, machine: dict, comm: dict, measured: dict, cost_path: str) -> list[dict]:
+    """The rank-count experiments: every layout, both variants, straggler % and exposed communication."""
     for e, by_ranks in machine.items():
         for R, v in by_ranks.items():
             print(f"machine {e} {R} rank(s): {json.dumps({k: x for k, x in v.items() if k != 'jitter_steps'})}",
                   flush=True)
     for (R, kind), v in comm.items():
         print(f"comm {kind} {R} ranks: {json.dumps(v)}", flush=True)
-
-    rows, all_pass = [], True
+    model = load_cost_model(cost_path)
+    rows = []
     for R in args.ranks:
         stats = measured.get(R)
         if stats is None:
@@ -271,28 +436,9 @@ def main() -> None:
             sim = simulate_steps(cfg, v, R, model, sampler, seed=cfg.run.seed, steps=args.steps,
                                  split_model=load_cost_model(cfg.balance.cost_model))
             for metric in METRICS:
-                m = stats[v.name][metric]
-                s = getattr(sim, metric)
-                err = abs(s - m["mean"]) / m["mean"]
-                ok = err <= WITHIN
-                all_pass &= ok
-                rows.append({"ranks": R, "variant": v.name, "metric": metric, "simulated": s, "measured": m["mean"],
-                             "measured_min": m["min"], "measured_max": m["max"], "relative_error": err, "within": ok})
-
-    print(f"\n{'ranks':>5} {'variant':>9} {'metric':>16} {'simulated':>10} {'measured (range)':>24} {'error':>7}")
-    for r in rows:
-        print(f"{r['ranks']:>5} {r['variant']:>9} {r['metric']:>16} {r['simulated']:>10.2f} "
-              f"{r['measured']:>8.2f} ({r['measured_min']:.2f}-{r['measured_max']:.2f}) {100 * r['relative_error']:>6.1f}% "
-              f"{'ok' if r['within'] else 'OUTSIDE'}")
-    print(f"\nall within {100 * WITHIN:.0f}%: {all_pass}")
-    write_json_atomic(args.out, {"within": WITHIN, "all_within": all_pass,
-                                 "machine": {e: {str(R): v for R, v in rs.items()} for e, rs in machine.items()},
-                                 "comm": {f"{kind} {R} ranks": v for (R, kind), v in comm.items()}, "cores_per_host": args.cores,
-                                 "measured_from": os.path.relpath(args.measured, REPO) if args.measured else
-                                 f"this job: {args.repeats} runs per experiment, {args.train_steps} steps, "
-                                 f"{args.warmup} warm-up", "rows": rows,
-                                 "seconds": round(time.perf_counter() - t_start, 1)})
-    print(f"wrote {args.out}")
+                rows.append(_compared({"experiment": "ranks", "ranks": R, "variant": v.name, "metric": metric},
+                                      getattr(sim, metric), stats[v.name][metric]))
+    return rows
 
 
 if __name__ == "__main__":
