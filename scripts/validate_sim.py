@@ -140,7 +140,11 @@ def fit_rank_costs(run_dir: str, cfg, ranks: int, model, warmup: int) -> dict:
     predicted, compute, late = np.array(predicted), np.array(compute), np.array(late)
     # compute = scale x the cost model + overhead, least squares over the rank-steps: the
     # training step's per-sample speed against the calibration's, and its fixed work.
+    # The fixed work cannot be negative: where the free fit says it is (rank-steps whose
+    # predicted costs differ too little to pin the line), the best fit with none goes through 0.
     scale, overhead = (float(x) for x in np.polyfit(predicted, compute, 1))
+    if overhead < 0:
+        scale, overhead = float(predicted @ compute / (predicted @ predicted)), 0.0
     # Within a step: how much of the cost model's difference between the ranks shows in how
     # late each one's compute ends (the slope of the ranks' lateness on their predicted cost,
     # both less the step's mean). A balanced split keeps differences the model mispredicts,

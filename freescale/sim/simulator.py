@@ -115,9 +115,10 @@ def comm_plan(cfg: ExperimentConfig, variant: Variant) -> list[Exchange]:
     TorchRec's ``sparse_dist``: the next batch's input dist (a splits all-to-all, then lengths
     and values per table) a step ahead; the rows of the sequence table and the pooled user
     rows forward, their gradients backward; the dense all-reduce. The prioritized pipeline:
-    counts and ids a step ahead, then the collision flags and rows first (exposed), the
-    exclusive rows early and overlapped with the dense compute, the same split for the
-    gradients. The balancer: an all-gather of sample sizes and the samples' all-to-all,
+    counts and ids a step ahead, the collision flags during the forward, the exclusive rows
+    early and the collision rows after the update, both waited for at the next forward
+    (overlapped); the collision gradients first and waited for in full (exposed), the other
+    gradients deferred to the next step (overlapped). The balancer: an all-gather of sample sizes and the samples' all-to-all,
     prefetched with the next batch.
     """
     row = cfg.model.embedding_dim * VALUE_BYTES
@@ -132,8 +133,9 @@ def comm_plan(cfg: ExperimentConfig, variant: Variant) -> list[Exchange]:
     if variant.pipeline == "prioritized":
         c = cfg.sim.collision_rate
         plan += [Exchange("ids", "all_to_all", bytes_per_token=INDEX_BYTES, overlapped=True, messages=2),
-                 Exchange("collision flags and rows", "all_to_all", bytes_per_token=c * row + 1, messages=2),
+                 Exchange("collision flags", "all_to_all", bytes_per_token=1, overlapped=True),
                  Exchange("exclusive rows", "all_to_all", bytes_per_token=(1 - c) * row, overlapped=True),
+                 Exchange("collision rows", "all_to_all", bytes_per_token=c * row, overlapped=True),
                  Exchange("collision grads", "all_to_all", bytes_per_token=c * row),
                  Exchange("exclusive grads", "all_to_all", bytes_per_token=(1 - c) * row, overlapped=True)]
     else:
