@@ -256,9 +256,6 @@ class OwnedTablesPipeline:
     def drain(self) -> None:
         """Apply every deferred update: the tables then hold what synchronous training would."""
 
-    def close(self) -> None:
-        """The transport is the builder's to close."""
-
     @contextmanager
     def evaluating(self):
         """A callable ``model(batch) -> (loss, StepOutput)`` that looks up every row now (no update)."""
