@@ -99,10 +99,13 @@ def all_gather_object(obj, group: dist.ProcessGroup) -> list:
     return out
 
 
-def new_group_like(group: dist.ProcessGroup) -> dist.ProcessGroup:
-    """A new gloo group over the same ranks as ``group`` (only those ranks take part in making it)."""
+def new_group_like(group: dist.ProcessGroup, backend: str = "gloo") -> dist.ProcessGroup:
+    """A new group over the same ranks as ``group`` (only those ranks take part in making it):
+    gloo, or ``backend`` ("same": ``group``'s own, NCCL on a GPU run)."""
     ranks = dist.get_process_group_ranks(group)
-    return dist.new_group(ranks=ranks, backend="gloo", use_local_synchronization=True)
+    if backend == "same":
+        backend = dist.get_backend(group)
+    return dist.new_group(ranks=ranks, backend=backend, use_local_synchronization=True)
 
 
 def shutdown() -> None:

@@ -6,6 +6,10 @@ row-wise layout, fbgemm's table-batched kernel with ``PoolingMode.NONE`` for the
 lookup, the same fused optimizer as the baseline) and do the id, embedding and gradient
 exchanges through the transport interface, so a pipeline can order them.
 
+The tables live on the run's device: on a GPU, fbgemm's CUDA kernel over device memory
+(``EmbeddingLocation.DEVICE``), on CPU its CPU kernel over host memory; every tensor this
+module gives the transport is on that device (the transport stages device tensors itself).
+
 Layout: each table's rows are cut into ``world_size`` blocks of ``ceil(rows / world_size)``
 (TorchRec's row-wise sharding, the last block shorter); rank r owns block r of every table,
 held in one local fbgemm table (the tables' blocks back to back). The optimizer is fused
@@ -66,6 +70,16 @@ class Route(NamedTuple):
         return rows_owner_major.index_select(0, torch.argsort(self.order))
 
 
+def placement(device: torch.device) -> tuple[EmbeddingLocation, ComputeDevice]:
+    """Where fbgemm keeps a table on ``device`` and where it computes: host memory and the CPU
+    kernels, or the GPU's memory and its kernels."""
+    if device.type == "cuda":
+        return EmbeddingLocation.DEVICE, ComputeDevice.CUDA
+    if device.type == "cpu":
+        return EmbeddingLocation.HOST, ComputeDevice.CPU
+    raise ValueError(f"FreeScale's own tables run on cpu or cuda, not {device.type}")
+
+
 def counts_by(keys: torch.Tensor, world_size: int) -> list[int]:
     """How many of the (sorted or not) owner indices ``keys`` fall on each rank."""
     return torch.bincount(keys, minlength=world_size).tolist()
@@ -75,8 +89,10 @@ class ShardedTables(nn.Module):
     """Row-wise sharded tables over a replica's ranks, looked up and updated through a transport."""
 
     def __init__(self, tables: dict[str, int], dim: int, *, rank: int, world_size: int, group: dist.ProcessGroup,
-                 optimizer: str, lr: float, init_std: float, seed: int) -> None:
+                 optimizer: str, lr: float, init_std: float, seed: int,
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
+        self.device = torch.device(device)
         self.names = list(tables)
         self.rows = [tables[n] for n in self.names]
         self.dim = dim
@@ -88,12 +104,12 @@ class ShardedTables(nn.Module):
         self.local_rows = [[max(0, min(n, (r + 1) * b) - r * b) for n, b in zip(self.rows, self.blocks)]
                            for r in range(world_size)]
         self.local_starts = torch.tensor([[sum(per_rank[:t]) for t in range(len(self.rows))] for per_rank in self.local_rows],
-                                         dtype=torch.int64)  # [world, tables]
+                                         dtype=torch.int64, device=self.device)  # [world, tables]
         local_total = max(1, sum(self.local_rows[rank]))  # fbgemm wants a row; an empty shard is never read
         self.kernel = SplitTableBatchedEmbeddingBagsCodegen(
-            [(local_total, dim, EmbeddingLocation.HOST, ComputeDevice.CPU)],
+            [(local_total, dim, *placement(self.device))],
             optimizer=FUSED_OPTIMIZERS[optimizer], learning_rate=lr, eps=EPS,
-            pooling_mode=PoolingMode.NONE, weights_precision=SparseType.FP32,
+            pooling_mode=PoolingMode.NONE, weights_precision=SparseType.FP32, device=self.device,
         )
         self._init_rows(init_std, seed)
 
@@ -141,18 +157,20 @@ class ShardedTables(nn.Module):
         """Start sending each owner the ids it holds; ``segments`` are (table, global ids) in
         the batch's order. The counts go first (small), then the ids."""
         located = [self.locate(t, ids) for t, ids in segments]
-        owners = torch.cat([o for o, _ in located]) if located else torch.zeros(0, dtype=torch.int64)
-        local = torch.cat([lr for _, lr in located]) if located else torch.zeros(0, dtype=torch.int64)
+        none = torch.zeros(0, dtype=torch.int64, device=self.device)
+        owners = torch.cat([o for o, _ in located]) if located else none
+        local = torch.cat([lr for _, lr in located]) if located else none
         owners_sorted, order = torch.sort(owners, stable=True)
         send_counts = counts_by(owners_sorted, self.world_size)
-        counts = transport.all_to_all_single(torch.tensor(send_counts, dtype=torch.int64), [1] * self.world_size,
+        counts = transport.all_to_all_single(torch.tensor(send_counts, dtype=torch.int64, device=self.device),
+                                             [1] * self.world_size,
                                              [1] * self.world_size, lane=lane)
         return PendingRoute(transport, lane, order, owners_sorted, send_counts, local[order], counts)
 
     def lookup(self, ids: torch.Tensor, track: bool = False) -> torch.Tensor:
         """Local rows ``ids``; with ``track``, the result's backward (``update_looked_up``)
         applies the fused optimizer to those rows without looking them up again."""
-        offsets = torch.arange(ids.numel() + 1, dtype=torch.int64)
+        offsets = torch.arange(ids.numel() + 1, dtype=torch.int64, device=ids.device)
         if track:
             with torch.enable_grad():
                 return self.kernel(ids, offsets)
@@ -174,7 +192,7 @@ class ShardedTables(nn.Module):
     # Checkpoints ---------------------------------------------------------------------------
 
     def _mesh(self) -> DeviceMesh:
-        return DeviceMesh.from_group(self.group, device_type="cpu")
+        return DeviceMesh.from_group(self.group, device_type=self.device.type)
 
     def sharded_state(self) -> dict[str, torch.Tensor]:
         """Every table's weights (and optimizer state) as DTensors sharded by rows: DCP saves and

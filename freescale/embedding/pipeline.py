@@ -60,6 +60,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
+from freescale.device import Streams
 from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE, Batch
 from freescale.embedding.exchange import PendingRoute, Route, ShardedTables, counts_by
 from freescale.embedding.replicated import row_gradients
@@ -107,15 +108,17 @@ class OwnedModel(nn.Module):
         self.tables.load_sharded_state({k[len("tables."):]: v for k, v in state.items() if k.startswith("tables.")})
 
 
-def build_owned_model(cfg, *, num_items: int, max_uih_len: int, topology, seed: int) -> OwnedModel:
-    """The model with its tables sharded row-wise over the replica's ranks (``cfg``: the experiment)."""
+def build_owned_model(cfg, *, num_items: int, max_uih_len: int, topology, seed: int,
+                      device: torch.device | str = "cpu") -> OwnedModel:
+    """The model with its tables sharded row-wise over the replica's ranks (``cfg``: the
+    experiment), tables and dense part on ``device``."""
     tables = {ITEM_TABLE: num_items}
     if cfg.model.user_features:
         tables[USER_TABLE] = cfg.model.user_hash_size
     sharded = ShardedTables(tables, cfg.model.embedding_dim, rank=topology.rank, world_size=topology.world_size,
                             group=topology.pg, optimizer=cfg.embedding.optimizer, lr=cfg.embedding.lr,
-                            init_std=cfg.embedding.init_std, seed=seed)
-    return OwnedModel(sharded, SeqRecTask(cfg.model, max_uih_len), cfg.model.user_features)
+                            init_std=cfg.embedding.init_std, seed=seed, device=device)
+    return OwnedModel(sharded, SeqRecTask(cfg.model, max_uih_len).to(device), cfg.model.user_features)
 
 
 class DenseReduction:
@@ -190,6 +193,10 @@ class OwnedTablesPipeline:
         self.group = group
         self.timeline = timeline
         self.tables = model.tables
+        self.device = model.tables.device
+        # The exchanges a step does not wait for at once go on a side stream (on CPU: none).
+        self.streams = Streams(self.device)
+        self.side = self.streams.side()
         self.dense_params = [p for p in model.task.parameters() if p.requires_grad]
         # The replica layer: each step is voted on; a batch whose step did not commit (or that
         # a group catching up did not train) is trained again.
@@ -207,12 +214,14 @@ class OwnedTablesPipeline:
         with self.timeline.span("optimizer"):
             dense.wait()
         with self.timeline.span("vote"):
-            self.vote = self.replica.finish(plan, row_gradients(plan, ids, got))
+            self.vote = self.replica.finish(plan, row_gradients(plan, ids.cpu(), got.cpu()))
         return self.vote.trained
 
     def _stage(self, batch: Batch | None, wait: bool = True) -> _Staged | None:
         if batch is None:
             return None
+        if self.streams.enabled:
+            batch = batch.to(self.device, non_blocking=True)
         staged = _Staged(batch, self.tables.route(self.transport, self.model.segments(batch)))
         if wait:
             with self.timeline.span("id_wait"):
@@ -289,7 +298,7 @@ class SyncEmbeddingPipeline(OwnedTablesPipeline):
         if not replica.enabled:
             self.tables.update_looked_up(staged.looked_up, got)
             self._dense_step(dense)
-        elif not self._commit(replica.exchange_rows(torch.unique(route.ids), batch), route.ids, got, dense):
+        elif not self._commit(replica.exchange_rows(torch.unique(route.ids).cpu(), batch), route.ids, got, dense):
             self._replay = batch
         return out
 
@@ -335,9 +344,9 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
             # forward), before anything reads those rows: the lookup below is the step's first read.
             self._apply_deferred()
             if replica.enabled:  # the rows every group's batch i writes
-                plan = replica.exchange_rows(torch.unique(cur.route.ids), cur.batch)
+                plan = replica.exchange_rows(torch.unique(cur.route.ids).cpu(), cur.batch)
                 if nxt is not None:
-                    flags = self._split(cur, nxt, plan.rows(0))
+                    flags = self._split(cur, nxt, plan.rows(0).to(self.device))
             if nxt is not None:
                 # Batch i+1's exclusive rows (final: batch i does not write them) sent now,
                 # waited for at batch i+1's first read.
@@ -393,7 +402,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         leaves no exchange of its own in flight."""
         cur, nxt = self._cur, self._next
         with self.timeline.span("exclusive_wait"):
-            nxt.exclusive = nxt.exclusive.wait()
+            nxt.exclusive = self._wait(nxt.exclusive)
         trained = self._commit(plan, cur.route.ids, got, dense)
         if not trained:  # the same batch again; the batch after next stays staged
             if self.vote.rewritten:
@@ -452,27 +461,36 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         updates the rows."""
         route, cold = nxt.route, ~nxt.owned_collide
         every = bool(cold.all())
-        nxt.looked_up = self.tables.lookup(route.ids if every else _take(route.ids, cold), track=not self.replica.enabled)
+        ins, outs = _per_rank(route.recv_counts, cold), _per_owner(nxt.route, ~nxt.sent_collide)
+        # On the side stream, after this step's deferred update (on the compute stream):
+        with self.streams.on(self.side), self.timeline.device_span("exclusive_send", self.side):
+            for t in (route.ids, cold):
+                self.streams.hand_over(t, self.side)
+            ids = route.ids if every else _take(route.ids, cold)
+            nxt.looked_up = self.tables.lookup(ids, track=not self.replica.enabled)
+            nxt.exclusive = self.transport.all_to_all_single(nxt.looked_up.detach(), ins, outs, lane=NORMAL)
         nxt.left_out = None if every else nxt.owned_collide
-        nxt.exclusive = self.transport.all_to_all_single(nxt.looked_up.detach(), _per_rank(route.recv_counts, cold),
-                                                         _per_owner(nxt.route, ~nxt.sent_collide), lane=NORMAL)
         if self.replica.enabled:
             nxt.looked_up = None
 
     def _send_collision_rows(self, nxt: _Staged) -> None:
         """Batch i+1's collision rows, looked up now (after batch i's update), to their readers."""
         hot = nxt.owned_collide
-        nxt.collision = self.transport.all_to_all_single(self.tables.lookup(_take(nxt.route.ids, hot)),
-                                                         _per_rank(nxt.route.recv_counts, hot),
-                                                         _per_owner(nxt.route, nxt.sent_collide), lane=HIGH)
+        ins, outs = _per_rank(nxt.route.recv_counts, hot), _per_owner(nxt.route, nxt.sent_collide)
+        # On the side stream, after batch i's update (on the compute stream):
+        with self.streams.on(self.side), self.timeline.device_span("collision_send", self.side):
+            for t in (nxt.route.ids, hot):
+                self.streams.hand_over(t, self.side)
+            nxt.collision = self.transport.all_to_all_single(self.tables.lookup(_take(nxt.route.ids, hot)), ins, outs,
+                                                             lane=HIGH)
 
     def _rows(self, staged: _Staged) -> torch.Tensor:
         """The batch's rows in batch order: the exclusive and the collision rows, waited for now."""
         if staged.rows is None:
             with self.timeline.span("exclusive_wait"):
-                cold = staged.exclusive if isinstance(staged.exclusive, torch.Tensor) else staged.exclusive.wait()
+                cold = staged.exclusive if isinstance(staged.exclusive, torch.Tensor) else self._wait(staged.exclusive)
             with self.timeline.span("collision_wait"):
-                hot = staged.collision.wait()
+                hot = self._wait(staged.collision)
             hot_at = staged.sent_collide
             if not hot.numel():
                 owner_major = cold
@@ -507,7 +525,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
     def _deferred_gradients(self, deferred: "_Deferred") -> torch.Tensor:
         """What arrived of a deferred exchange, one row per id received (zero for the collision rows)."""
         with self.timeline.span("exclusive_wait"):
-            got = deferred.handle.wait()
+            got = self._wait(deferred.handle)
         if deferred.positions is None:
             return got
         full = got.new_zeros((len(deferred.staged.route.ids), got.shape[1]))
@@ -527,19 +545,29 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         hot_owned = _per_rank(route.recv_counts, cur.owned_collide)
         whole_out = [2 * h <= n for h, n in zip(hot_sent, route.send_counts)]
         whole_in = [2 * h <= n for h, n in zip(hot_owned, route.recv_counts)]
-        # The sender's payload: whole blocks with zeroed collision rows, or the other rows alone.
-        zero = cur.sent_collide & torch.tensor(whole_out)[route.owners]
-        if zero.any():
-            sent.index_fill_(0, zero.nonzero().squeeze(1), 0.0)
-        keep = ~cur.sent_collide | torch.tensor(whole_out)[route.owners]
-        payload = sent if bool(keep.all()) else _take(sent, keep)
         outs = [n if w else n - h for n, h, w in zip(route.send_counts, hot_sent, whole_out)]
         ins = [n if w else n - h for n, h, w in zip(route.recv_counts, hot_owned, whole_in)]
-        handle = self.transport.all_to_all_single(payload, outs, ins, lane=NORMAL)
+        device = self.device
+        # On the side stream, after the backward that made ``sent``:
+        with self.streams.on(self.side), self.timeline.device_span("deferred_send", self.side):
+            for t in (sent, cur.sent_collide, route.owners):
+                self.streams.hand_over(t, self.side)
+            # The sender's payload: whole blocks with zeroed collision rows, or the other rows alone.
+            whole = torch.tensor(whole_out, device=device)[route.owners]
+            zero = cur.sent_collide & whole
+            if zero.any():
+                sent.index_fill_(0, zero.nonzero().squeeze(1), 0.0)
+            keep = ~cur.sent_collide | whole
+            payload = sent if bool(keep.all()) else _take(sent, keep)
+            handle = self.transport.all_to_all_single(payload, outs, ins, lane=NORMAL)
         # Where the owner puts what arrives among the ids it received (None: as it comes).
-        sources = torch.repeat_interleave(torch.arange(W), torch.tensor(route.recv_counts))
-        placed = ~cur.owned_collide | torch.tensor(whole_in, dtype=torch.bool)[sources]
+        sources = torch.repeat_interleave(torch.arange(W, device=device), torch.tensor(route.recv_counts, device=device))
+        placed = ~cur.owned_collide | torch.tensor(whole_in, dtype=torch.bool, device=device)[sources]
         return _Deferred(handle, cur, None if bool(placed.all()) else placed.nonzero().squeeze(1))
+
+    def _wait(self, handle) -> torch.Tensor:
+        """The result of an exchange issued on the side stream, for the compute stream."""
+        return self.streams.take(handle.wait(), self.side)
 
     def _note_rate(self, collision: int, read: int) -> float:
         """This owner's collision rows / rows read; the step's record gets both counts."""

@@ -29,7 +29,8 @@ class OwnedRows:
 
     def apply(self, plan: RowPlan, summed: torch.Tensor) -> None:
         if plan.keys.numel():
-            self.tables.update(plan.rows(0), plan.values(summed, 0))
+            device = self.tables.device  # the plan and the sums are on the host (the replica layer's)
+            self.tables.update(plan.rows(0).to(device), plan.values(summed, 0).to(device))
 
     def touch(self, touched) -> None:
         """(Nothing is written before the vote.)"""

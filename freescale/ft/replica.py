@@ -61,6 +61,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
+from freescale.device import CopyEngine, staged_on_host
 from freescale.ft.catchup import load_transferred, transfer_state
 from freescale.ft.row_exchange import Header, RowPlan, empty_plan, pack_header, pack_keys, plan_rows, read_header
 from freescale.io import write_json_atomic
@@ -170,6 +171,7 @@ class ReplicaLayer:
         self._step = state.parts["trainer"].step + 1  # the step being attempted (the quorum's)
         self._quorum_open = False  # a quorum join() started, which the first step takes
         self._failed = False  # a cross-replica collective of this step failed
+        self._copy_engine: CopyEngine | None = None  # device <-> host copies, made at the first device tensor
         self._header: Header | None = None
         self._stash: dict | None = None  # a peer's state, until the group's vote
         self._joining = False
@@ -338,12 +340,21 @@ class ReplicaLayer:
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
         try:
-            self.pg.allreduce([tensor], opts).wait()
+            # A device tensor goes through pinned host memory by the copy engine (no kernel of
+            # ours on the GPU): the groups' gloo process group sums host memory.
+            staged_on_host(tensor, lambda t: self.pg.allreduce([t], opts).wait(), self._copies(tensor))
         except Exception as e:
             self.manager.report_error(e)
             self._abort(e)
             return False
         return True
+
+    def _copies(self, tensor: torch.Tensor) -> CopyEngine | None:
+        if tensor.device.type == "cpu":
+            return None
+        if self._copy_engine is None:
+            self._copy_engine = CopyEngine(tensor.device)
+        return self._copy_engine
 
     def _abort(self, cause: Exception) -> None:
         """Give up the step's collectives: the process group is aborted, which fails the peers'

@@ -266,11 +266,10 @@ class _OwnedTablesPipeline:
 
     @classmethod
     def build(cls, model, optimizer, device, timeline, *, group, transport_cfg, replica=None) -> TrainPipeline:
-        from freescale.distributed import new_group_like
         from freescale.embedding.pipeline import PIPELINES as SCHEDULES
-        from freescale.transport.registry import build_transport
+        from freescale.transport.registry import build_transport, group_for
 
-        transport = build_transport(transport_cfg, new_group_like(group), lanes=2)
+        transport = build_transport(transport_cfg, group_for(transport_cfg.kind, group), lanes=2)
         return cls(SCHEDULES[cls.schedule](model, optimizer, transport, group, timeline, replica=replica), transport)
 
     def progress(self, batches: Iterator[Batch]) -> StepOutput:

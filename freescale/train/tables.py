@@ -6,7 +6,7 @@
   under the replica layer the groups add up their changes to the rows every
   ``ft.embedding_sync_every`` steps (``TableSync``).
 - FreeScale's own (``OWNED_TABLES``, under ``sync`` and ``prioritized``): ``OwnedModel`` over
-  ``ShardedTables``, on CPU for now; the optimizer is the dense one alone, over the model's
+  ``ShardedTables``, on the run's device (fbgemm's CPU or CUDA kernel); the optimizer is the dense one alone, over the model's
   task (the tables fuse their own); under the replica layer each step's row gradients are
   summed across the groups (``OwnedRows``).
 
@@ -61,14 +61,14 @@ class OwnedTables:
     """FreeScale's own row-wise sharded tables (``freescale.embedding``)."""
 
     def check_device(self, pipeline: str, device: torch.device) -> None:
-        if device.type != "cpu":
-            raise ConfigError(f"train.pipeline: {pipeline} trains FreeScale's own tables, which run on CPU "
-                              f"for now; set run.device=cpu (resolved: {device.type})")
+        if device.type not in ("cpu", "cuda"):
+            raise ConfigError(f"train.pipeline: {pipeline} trains FreeScale's own tables, which run on cpu or cuda "
+                              f"(resolved: {device.type})")
 
     def build_model(self, cfg: ExperimentConfig, *, num_items: int, topology: Topology,
                     device: torch.device) -> nn.Module:
         return build_owned_model(cfg, num_items=num_items, max_uih_len=cfg.data.max_uih_len, topology=topology,
-                                 seed=cfg.run.seed)
+                                 seed=cfg.run.seed, device=device)
 
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig):
         """The dense optimizer alone, over the task."""

@@ -16,6 +16,21 @@ TRANSPORTS: dict[str, Callable[..., Transport]] = {
 }
 
 
+GROUP_BACKENDS = {"torch_dist": "same", "host_staged": "gloo"}
+"""The backend of the group a transport runs over (``distributed.new_group_like``): torch_dist
+runs its collectives on the run's own backend (NCCL on CUDA), host_staged its control wire and
+its transfers between hosts over gloo (host memory)."""
+
+
+def group_for(kind: str, group: dist.ProcessGroup) -> dist.ProcessGroup:
+    """A group of its own over ``group``'s ranks for a transport of ``kind``."""
+    from freescale.distributed import new_group_like
+
+    if kind not in GROUP_BACKENDS:
+        raise ValueError(f"unknown transport {kind!r}; expected one of {sorted(GROUP_BACKENDS)}")
+    return new_group_like(group, backend=GROUP_BACKENDS[kind])
+
+
 def build_transport(cfg, group: dist.ProcessGroup | None = None, lanes: int = 1) -> Transport:
     """The transport ``cfg.kind`` (a TransportConfig) over ``group`` (default: the world), with
     ``lanes`` lanes (2: a priority lane besides the normal one)."""

@@ -69,7 +69,7 @@ class TorchDistTransport:
         self.group = group or dist.group.WORLD
         # One process group per lane: gloo (and NCCL) run a group's collectives in issue order,
         # so a lane of its own is what lets a high-priority collective pass.
-        self.lanes = [self.group] + [new_group_like(self.group) for _ in range(lanes - 1)]
+        self.lanes = [self.group] + [new_group_like(self.group, backend="same") for _ in range(lanes - 1)]
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._lock = threading.Lock()

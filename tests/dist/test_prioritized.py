@@ -11,6 +11,7 @@ import torch
 from freescale.config import load_config
 from freescale.data.batch import Batch, Samples
 from freescale.distributed import Topology
+from freescale.device import Streams
 from freescale.embedding.pipeline import build_owned_model
 from freescale.train.verify import snapshot
 from freescale.model.sharding import build_dense_optimizer
@@ -65,15 +66,51 @@ def _stream(rank):
     return batches
 
 
-class RecordingTransport:
-    """A transport that logs what is issued (lane, row width, rows sent) and when it is waited for."""
+class RecordingStreams:
+    """A device module for ``freescale.device.Streams`` whose streams (``compute``, ``side``) log
+    which waits for which; the current stream is what a ``stream`` context makes it."""
 
-    def __init__(self, inner, log):
-        self.inner, self.log = inner, log
+    def __init__(self, log):
+        self.log = log
+        self.current = _Stream("compute", log)
+
+    def Stream(self, device=None):
+        return _Stream("side", self.log)
+
+    def current_stream(self, device=None):
+        return self.current
+
+    @contextmanager
+    def stream(self, stream):
+        before, self.current = self.current, stream
+        try:
+            yield
+        finally:
+            self.current = before
+
+    def synchronize(self, device=None):
+        pass
+
+
+class _Stream:
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def wait_stream(self, other):
+        self.log.append(("stream_wait", self.name, other.name))
+
+
+class RecordingTransport:
+    """A transport that logs what is issued (lane, row width, rows sent, on which stream) and
+    when it is waited for."""
+
+    def __init__(self, inner, log, streams=None):
+        self.inner, self.log, self.streams = inner, log, streams
         self.rank, self.world_size = inner.rank, inner.world_size
 
     def all_to_all_single(self, tensor, ins, outs, lane=NORMAL):
-        issued = ("a2a", lane, tuple(tensor.shape[1:]), sum(ins), len(self.log))
+        stream = self.streams.current.name if self.streams is not None else None
+        issued = ("a2a", lane, tuple(tensor.shape[1:]), sum(ins), len(self.log), stream)
         self.log.append(issued)
         return RecordedHandle(self.inner.all_to_all_single(tensor, ins, outs, lane=lane), issued, self.log)
 
@@ -115,7 +152,11 @@ def _train(mode, rank, world, transport_kind, log=None, steps=None):
                               NullTimeline() if log is None else RecordingTimeline(log), group=topo.pg,
                               transport_cfg=cfg.transport)
     if log is not None:
-        pipeline.inner.transport = RecordingTransport(pipeline.inner.transport, log)
+        # Streams as on a GPU: the side-stream exchanges and their hand-overs are logged.
+        recorder = RecordingStreams(log)
+        pipeline.inner.streams = Streams("cpu", module=recorder)
+        pipeline.inner.side = pipeline.inner.streams.side()
+        pipeline.inner.transport = RecordingTransport(pipeline.inner.transport, log, recorder)
     batches = iter(_stream(rank)[:steps])
     losses = []
     try:
@@ -185,6 +226,15 @@ def _schedule(rank, world):
         assert forwards[j + 1] < waited < forward_ends, (j, forwards[j + 1], waited, forward_ends)
         optimizer_done = max(i for i, e in enumerate(window) if e == ("close", "optimizer")) + forwards[j]
         assert optimizer_done < waited
+        # On a GPU the exclusive rows, the collision rows and the deferred gradients go on the side
+        # stream, after what the compute stream issued before (a table update, the backward), and
+        # the compute stream waits for the side stream before it reads what they brought.
+        assert [e[5] for e in issued] == ["side", "compute", "side", "side"], (j, issued)
+        for e in (issued[0], issued[2], issued[3]):
+            before = [x for x in log[:e[4]] if x[0] in ("a2a", "stream_wait")][-1]
+            assert before == ("stream_wait", "side", "compute"), (j, e, before)
+            at = log.index(("wait", e))
+            assert log[at + 1] == ("stream_wait", "compute", "side"), (j, e, log[at + 1])
 
 
 def test_each_row_goes_once_and_the_exclusive_rows_are_waited_for_at_the_next_forward():

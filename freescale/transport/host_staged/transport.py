@@ -39,7 +39,7 @@ from freescale.transport.host_staged import memory, wire
 from freescale.transport.host_staged.local import LocalExchange
 from freescale.transport.host_staged.remote import Pending, RemoteTransfers
 from freescale.transport.host_staged.scheduler import Handle, Op, Scheduler
-from freescale.transport.host_staged.staging import CudaStaging
+from freescale.transport.host_staged.staging import DeviceStaging, needs_staging
 
 log = logging.getLogger("freescale")
 
@@ -103,7 +103,7 @@ class HostStagedTransport:
         self.wire = wire.Wire(self.rank, self._peers, timeout_s=self.timeout_s, spin_s=cfg.spin_us * 1e-6)
         self.pool = memory.BufferPool(mapped=self.local_path == "mapped")
         self.peer_files = memory.PeerFiles(self.pids)
-        self.staging = CudaStaging(self.pool) if torch.cuda.is_available() else None
+        self.staging = DeviceStaging(self.pool) if torch.cuda.is_available() else None
         remote = [r for r in range(self.world_size) if not self.local[r]]
         self.scheduler = Scheduler(self.rank, run=self._execute, on_failure=lambda op: self.wire.fail(op.key))
         self.scheduler.nudge = self.wire.nudge
@@ -250,8 +250,9 @@ class HostStagedTransport:
             raise TransportError(f"host_staged {op}: an earlier collective failed: {self.scheduler.failed}")
         row_shape = tuple(tensor.shape[1:])
         row_bytes = tensor.element_size() * math.prod(row_shape)
-        out_host = self.pool.take((sum(output_splits), *row_shape), tensor.dtype, pinned=tensor.is_cuda)
-        if tensor.is_cuda:
+        staged = needs_staging(tensor)
+        out_host = self.pool.take((sum(output_splits), *row_shape), tensor.dtype, pinned=staged)
+        if staged:
             src, ready = self.staging.to_host(tensor)
             finish = lambda: self.staging.to_device(out_host, tensor.device)  # noqa: E731
         else:
