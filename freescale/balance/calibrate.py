@@ -2,7 +2,8 @@
 
 For each point of a grid of (UIH length L, candidates C) a batch of identical-size samples
 goes through forward and backward of the real model (unsharded, one process, the rank's
-thread count); the median time over repetitions divided by the batch size is the measured
+thread count, on the run's device: ``run.device``; on a GPU the device is synchronized
+before each time is read, so the time is the kernels', not their launches'); the median time over repetitions divided by the batch size is the measured
 per-sample cost. ``fit_cost_model`` then fits ``a*L + b*L^2 + c*C + d`` by least squares.
 """
 
@@ -16,6 +17,8 @@ import torch
 from freescale.balance.cost import CostModel, fit_cost_model
 from freescale.config import ExperimentConfig
 from freescale.data.batch import Batch, Samples
+from freescale.device import Streams
+from freescale.distributed import resolve_device
 from freescale.model.seqrec import SeqRecModel
 
 
@@ -39,8 +42,10 @@ def calibrate(cfg: ExperimentConfig, *, repeats: int = 5, tokens_per_batch: int 
     torch.set_num_threads(cfg.run.threads or 1)
     torch.manual_seed(cfg.run.seed)
     num_items = cfg.data.synthetic.num_items if cfg.data.source == "synthetic" else _ratings_items(cfg)
+    device = resolve_device(cfg.run.device, 0)
+    streams = Streams(device)
     model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items, max_uih_len=cfg.data.max_uih_len,
-                        device=torch.device("cpu"))
+                        device=device)
     rng = np.random.default_rng(cfg.run.seed)
     lengths, candidates = default_grid(cfg.data.max_uih_len, cfg.data.num_candidates)
     rows = []
@@ -48,13 +53,15 @@ def calibrate(cfg: ExperimentConfig, *, repeats: int = 5, tokens_per_batch: int 
     for i, L in enumerate(lengths):
         n = int(np.clip(tokens_per_batch // L, 1, cfg.data.batch_size))
         for C in candidates:
-            batch = _batch(n, L, C, num_items, rng, cfg.model.user_hash_size)
+            batch = _batch(n, L, C, num_items, rng, cfg.model.user_hash_size).to(device)
             times = []
             for rep in range(repeats + 1):
+                streams.synchronize()
                 t0 = time.perf_counter()
                 loss, _ = model(batch)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
+                streams.synchronize()
                 if rep:  # the first run warms caches and allocators
                     times.append(time.perf_counter() - t0)
             per_sample = float(np.median(times)) / n
@@ -62,6 +69,7 @@ def calibrate(cfg: ExperimentConfig, *, repeats: int = 5, tokens_per_batch: int 
             log(f"[calibrate {len(rows)}/{total}] L={L:>6} C={C:>3} batch={n:>4}: {1e3 * per_sample:.4f} ms/sample")
     L, C, y = map(np.array, zip(*rows))
     info = {"grid": [[int(a), int(b), float(c)] for a, b, c in rows], "threads": torch.get_num_threads(),
+            "device": device.type,
             "model": {"embedding_dim": cfg.model.embedding_dim, "num_layers": cfg.model.num_layers,
                       "num_heads": cfg.model.num_heads}}
     return fit_cost_model(L, C, y, info)

@@ -5,7 +5,9 @@ spans and their ``data_cpu``):
 
 - ``T`` = end - start (step wall time);
 - ``D`` = time in ``data`` spans (waiting for the loader);
-- ``C`` = cpu - data_cpu (own compute: the CPU the rank spent outside data loading);
+- ``C`` = cpu - data_cpu (own compute: the CPU the rank spent outside data loading); on a GPU,
+  ``device_compute`` (device time in the compute spans less the waits in them, from CUDA
+  events), and ``T`` is at least the device's step (``device_step``);
 - ``W`` = T - C - D (blocked in communication);
 - compute end = start + D + C: when ``r`` would be done if it never waited for anyone;
 - straggler bubble = max over peers of their compute end minus ``r``'s, within ``W``;
@@ -44,6 +46,14 @@ def _data_time(record: dict) -> float:
     return sum(t1 - t0 for kind, t0, t1 in record.get("spans", []) if kind == "data")
 
 
+def _compute(record: dict) -> float:
+    """The rank's own compute in a step: the device's (``device_compute``, from events on its
+    streams) on a GPU, else the main thread's CPU outside data loading."""
+    if "device_compute" in record:
+        return record["device_compute"]
+    return record["cpu"] - record.get("data_cpu", 0.0)
+
+
 def decompose(steps_by_rank: dict[int, list[dict]]) -> list[RankStep]:
     """Decompose every step that all ranks recorded."""
     by_step = {r: {rec["step"]: rec for rec in recs} for r, recs in steps_by_rank.items()}
@@ -53,9 +63,9 @@ def decompose(steps_by_rank: dict[int, list[dict]]) -> list[RankStep]:
         rows = []
         for rank in sorted(by_step):
             rec = by_step[rank][step]
-            T = max(rec["end"] - rec["start"], 0.0)
+            T = max(rec["end"] - rec["start"], rec.get("device_step", 0.0), 0.0)
             D = min(_data_time(rec), T)
-            C = min(max(rec["cpu"] - rec.get("data_cpu", 0.0), 0.0), T - D)
+            C = min(max(_compute(rec), 0.0), T - D)
             rows.append((rank, rec, T, C, D, rec["start"] + D + C))
         last_end = max(r[5] for r in rows)
         for rank, rec, T, C, D, compute_end in rows:

@@ -18,6 +18,16 @@ of the phases the trainer can see, and the main thread's CPU in each kind of spa
 - ``vote``: under the replica layer, those pipelines' exchanges across the replica groups,
   the commit vote and the update after it (TorchRec's pipeline has them inside ``optimizer``).
 
+On a GPU (``DeviceClock``) every span is also timed by events recorded on the stream the work
+is issued to (the compute stream; the pipelines' side stream for ``exclusive_send``,
+``collision_send`` and ``deferred_send``), and the record gets ``device_spans`` (the same
+[kind, start, end] on the host clock's scale, anchored at the step's first event),
+``device_step`` (first to last event) and ``device_compute``: the device time inside
+``forward``, ``backward`` and ``optimizer`` less the waits nested in them (``WAIT_KINDS``).
+The bubble decomposition then takes compute from the device, not from the host thread, whose
+CPU time on a GPU is mostly launching kernels. A step's record is written once its last event
+has completed (asked with ``query()``, never waited for), and every record at the end.
+
 Compute is measured, not inferred from spans: on CPU a rank's kernels run on its main thread
 (``run.threads: 1``, what torchrun gives each rank by default) and a rank blocked in a gloo
 collective sleeps, so the main thread's CPU time is its own compute and the rest of the step
@@ -38,17 +48,59 @@ from typing import Iterator
 import torch
 
 PROFILE_DIR = "profile"
+COMPUTE_KINDS = ("forward", "backward", "optimizer")
+WAIT_KINDS = ("data", "input_dist", "id_wait", "flags_wait", "exclusive_wait", "collision_wait", "vote")
 
 
 def rank_file(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, PROFILE_DIR, f"rank{rank}.jsonl")
 
 
+class DeviceClock:
+    """Events on a device's streams (``torch.get_device_module(device)``; ``new_event`` lets a
+    test give its own)."""
+
+    def __init__(self, device: torch.device | str, new_event=None) -> None:
+        self.device = torch.device(device)
+        if new_event is None:
+            module = torch.get_device_module(self.device)
+            new_event = lambda: module.Event(enable_timing=True)  # noqa: E731
+            self._current = lambda: module.current_stream(self.device)  # noqa: E731
+        else:
+            self._current = lambda: None  # noqa: E731
+        self.new_event = new_event
+
+    def mark(self, stream=None):
+        """An event recorded now on ``stream`` (default: the current stream)."""
+        event = self.new_event()
+        event.record(stream if stream is not None else self._current())
+        return event
+
+
+def device_compute(spans: list) -> float:
+    """Seconds inside compute spans (``COMPUTE_KINDS``) and outside wait spans (``WAIT_KINDS``)."""
+    def union(kinds):
+        merged = []
+        for s, e in sorted((s, e) for k, s, e in spans if k in kinds and e > s):
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        return merged
+
+    waits = union(WAIT_KINDS)
+    total = 0.0
+    for s, e in union(COMPUTE_KINDS):
+        total += e - s - sum(max(0.0, min(e, we) - max(s, ws)) for ws, we in waits)
+    return total
+
+
 class StepTimeline:
     """Records one rank's steps. Only the main thread records."""
 
     def __init__(self, path: str, *, rank: int, world_size: int, clock_offset: float, threads: int,
-                 torch_trace_steps: list[int] | None = None, trace_path: str = "") -> None:
+                 torch_trace_steps: list[int] | None = None, trace_path: str = "",
+                 device_clock: DeviceClock | None = None) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self.rank = rank
         self.offset = clock_offset
@@ -62,6 +114,10 @@ class StepTimeline:
         self._trace_steps = torch_trace_steps or []
         self._trace_path = trace_path
         self._torch_profiler = None
+        self._clock = device_clock
+        self._device_open: dict[str, object] = {}
+        self._device_spans: list = []
+        self._pending: list = []  # (record, first event, spans' events, last event) not yet written
 
     def now(self) -> float:
         return time.time() + self.offset
@@ -82,18 +138,27 @@ class StepTimeline:
         self._cpu0 = time.thread_time()
         self._process_cpu0 = time.process_time()
         self._start = self.now()
+        if self._clock is not None:
+            self._device_open = {}
+            self._device_spans = []
+            self._device_start = self._clock.mark()
 
     def end_step(self, step: int, output) -> None:
         end = self.now()
         cpu = time.thread_time() - self._cpu0
         process_cpu = time.process_time() - self._process_cpu0
         self._in_step = False
-        self._write({
+        record = {
             "step": step, "start": self._start, "end": end, "cpu": cpu, "data_cpu": self._data_cpu,
             "process_cpu": process_cpu, "span_cpu": self._span_cpu,
             "spans": self._spans, "samples": int(output.sample_ids.numel()),
             "uih_tokens": int(output.uih_lengths.sum()), **self._notes,
-        })
+        }
+        if self._clock is None:
+            self._write(record)
+        else:
+            self._pending.append((record, self._device_start, self._device_spans, self._clock.mark()))
+            self._write_completed(wait=False)
         if self._torch_profiler is not None and step == self._trace_steps[1]:
             self._torch_profiler.__exit__(None, None, None)
             self._torch_profiler.export_chrome_trace(self._trace_path)
@@ -104,6 +169,8 @@ class StepTimeline:
     def open(self, kind: str) -> None:
         if self._in_step:
             self._open[kind] = (self.now(), time.thread_time())
+            if self._clock is not None:
+                self._device_open[kind] = self._clock.mark()
 
     def note(self, key: str, value) -> None:
         """Add ``key`` to this step's record (summed if noted again in the step)."""
@@ -116,6 +183,38 @@ class StepTimeline:
             start, cpu = opened
             self._spans.append([kind, start, self.now()])
             self._span_cpu[kind] = self._span_cpu.get(kind, 0.0) + time.thread_time() - cpu
+            first = self._device_open.pop(kind, None)
+            if first is not None:
+                self._device_spans.append((kind, first, self._clock.mark()))
+
+    @contextmanager
+    def device_span(self, kind: str, stream):
+        """Time the work issued to ``stream`` inside the block (on a GPU; nothing on CPU, where
+        the work is the transport's threads')."""
+        if not self._in_step or self._clock is None or stream is None:
+            yield
+            return
+        first = self._clock.mark(stream)
+        try:
+            yield
+        finally:
+            self._device_spans.append((kind, first, self._clock.mark(stream)))
+
+    def _write_completed(self, wait: bool) -> None:
+        """Write the pending steps whose last event has completed, in order (all of them, waiting
+        for the device, when ``wait``)."""
+        while self._pending:
+            record, first, spans, last = self._pending[0]
+            if wait:
+                last.synchronize()
+            elif not last.query():
+                return
+            self._pending.pop(0)
+            at = lambda event: record["start"] + first.elapsed_time(event) / 1000.0  # noqa: E731
+            record["device_spans"] = [[kind, at(e0), at(e1)] for kind, e0, e1 in spans]
+            record["device_step"] = first.elapsed_time(last) / 1000.0
+            record["device_compute"] = device_compute(record["device_spans"])
+            self._write(record)
 
     @contextmanager
     def span(self, kind: str):
@@ -139,6 +238,7 @@ class StepTimeline:
             yield batch
 
     def finish(self) -> None:
+        self._write_completed(wait=True)
         self._file.close()
 
     def _write(self, record: dict) -> None:
@@ -163,6 +263,9 @@ class NullTimeline:
         pass
 
     def span(self, kind: str):
+        return nullcontext()
+
+    def device_span(self, kind: str, stream):
         return nullcontext()
 
     def note(self, key: str, value) -> None:
@@ -221,19 +324,19 @@ def read_timelines(run_dir: str) -> tuple[dict[int, dict], dict[int, list[dict]]
     return metas, steps
 
 
-def build_timeline(cfg, run_dir: str, *, rank: int, world_size: int, threads: int, device_type: str, group):
+def build_timeline(cfg, run_dir: str, *, rank: int, world_size: int, threads: int, device: torch.device, group):
     """A StepTimeline for this rank when ``profile.enable``, else a NullTimeline (clocks agreed on ``group``)."""
     if not cfg.enable:
         return NullTimeline()
     from freescale.distributed import estimate_clock_offset
     from freescale.logging import get_logger
 
-    if threads > 1:
+    clock = DeviceClock(device) if device.type != "cpu" else None
+    if threads > 1 and clock is None:
         get_logger().warning(f"profile: compute is the main thread's CPU time; with {threads} intra-op threads "
                              "per rank it misses the others' work (set run.threads=1 for exact bubbles)")
-    if device_type == "cuda":
-        get_logger().warning("profile: compute is not yet read from CUDA events; bubbles count host time as compute")
 
     trace = os.path.join(run_dir, PROFILE_DIR, f"trace_rank{rank}.json")
     return StepTimeline(rank_file(run_dir, rank), rank=rank, world_size=world_size, clock_offset=estimate_clock_offset(group),
-                        threads=threads, torch_trace_steps=cfg.torch_trace_steps, trace_path=trace)
+                        threads=threads, torch_trace_steps=cfg.torch_trace_steps, trace_path=trace,
+                        device_clock=clock)

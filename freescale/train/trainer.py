@@ -150,7 +150,7 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
 
     # Profiling: per-step timelines (a NullTimeline when off), phase spans, straggler injection.
     timeline = build_timeline(cfg.profile, run_dir, rank=topo.rank, world_size=topo.world_size, threads=threads,
-                              device_type=device.type, group=group)
+                              device=device, group=group)
     closing.callback(timeline.finish)
     inject_delay(training.dense_module, timeline, rank=topo.rank, ranks=cfg.profile.delay_ranks,
                  delay_ms=cfg.profile.delay_ms)
