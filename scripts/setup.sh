@@ -3,7 +3,12 @@
 #
 # Idempotent: a venv whose stamp matches this script's pins is left as it is, so the README's
 # commands can call this every time. On a machine with CUDA (nvidia-smi answers) the CUDA
-# build of fbgemm-gpu is installed; elsewhere the CPU build.
+# builds of torch and fbgemm-gpu are installed (torch from FREESCALE_TORCH_INDEX when set, e.g.
+# https://download.pytorch.org/whl/cu128, else the package index's default Linux wheel, a CUDA
+# build) and checked to see the GPU; elsewhere the CPU builds.
+#
+#   scripts/setup.sh          install (or keep) the venv
+#   scripts/setup.sh --plan   print the build and the packages it would install, install nothing
 #
 # TorchRec is installed with --no-deps: its declared dependency on fbgemm-gpu would pull the
 # CUDA wheel and overwrite the CPU build, which then fails to load.
@@ -22,13 +27,32 @@ TORCHREC_DEPS=(pyre-extensions tensordict "torchmetrics==1.0.3" tqdm)
 # the protobuf 7 and numpy 2 the rest of the stack installs.
 TOOLS=(numpy pyyaml matplotlib pytest pytest-timeout hypothesis "tensorboard==2.21.0")
 
+TORCH_INDEX=()
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+  BUILD=cuda
   FBGEMM="fbgemm-gpu==$FBGEMM_VERSION"
+  if [ -n "${FREESCALE_TORCH_INDEX:-}" ]; then
+    TORCH_INDEX=(--index-url "$FREESCALE_TORCH_INDEX")
+  fi
 else
+  BUILD=cpu
   FBGEMM="fbgemm-gpu-cpu==$FBGEMM_VERSION"
 fi
 
-stamp_text="$TORCH $FBGEMM $TORCHFT $TORCHREC ${TORCHREC_DEPS[*]} ${TOOLS[*]} editable"
+if [ "${1:-}" = "--plan" ]; then
+  echo "build: $BUILD"
+  echo "venv: $venv"
+  echo "$TORCH ${TORCH_INDEX[*]}"
+  echo "$FBGEMM $TORCHFT"
+  echo "$TORCHREC (--no-deps) ${TORCHREC_DEPS[*]}"
+  echo "${TOOLS[*]}"
+  exit 0
+elif [ -n "${1:-}" ]; then
+  echo "setup.sh: unknown argument ${1} (expected --plan or nothing)" >&2
+  exit 2
+fi
+
+stamp_text="$BUILD $TORCH ${TORCH_INDEX[*]} $FBGEMM $TORCHFT $TORCHREC ${TORCHREC_DEPS[*]} ${TOOLS[*]} editable"
 stamp="$venv/.freescale-stamp"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_text" ] && "$venv/bin/python" -c "import freescale" 2>/dev/null; then
   exit 0
@@ -38,8 +62,12 @@ echo "[setup] creating $venv ($FBGEMM)" >&2
 "$python" -m venv "$venv"
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
 "${pip[@]}" --upgrade pip setuptools wheel
-echo "[setup] installing $TORCH" >&2
-"${pip[@]}" "$TORCH"
+echo "[setup] installing $TORCH ($BUILD build)" >&2
+"${pip[@]}" "${TORCH_INDEX[@]}" "$TORCH"
+if [ "$BUILD" = cuda ] && ! "$venv/bin/python" -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
+  echo "[setup] nvidia-smi sees a GPU but the installed $TORCH is a CPU build; set FREESCALE_TORCH_INDEX to a CUDA wheel index (e.g. https://download.pytorch.org/whl/cu128) and run again" >&2
+  exit 1
+fi
 echo "[setup] installing $FBGEMM $TORCHFT" >&2
 "${pip[@]}" "$FBGEMM" "$TORCHFT"
 echo "[setup] installing $TORCHREC and its dependencies" >&2
@@ -49,5 +77,8 @@ echo "[setup] installing tools and freescale (editable)" >&2
 "${pip[@]}" "${TOOLS[@]}" "$TORCH"
 "${pip[@]}" --no-deps -e "$root"
 "$venv/bin/python" -c "import torchrec, fbgemm_gpu, torchft, torch.utils.tensorboard" >&2
+if [ "$BUILD" = cuda ]; then
+  "$venv/bin/python" -c "import torch, fbgemm_gpu; assert torch.cuda.is_available(), 'torch sees no GPU'; print('[setup] CUDA', torch.version.cuda, torch.cuda.get_device_name(0))" >&2
+fi
 echo "$stamp_text" > "$stamp"
 echo "[setup] done" >&2
