@@ -53,8 +53,11 @@ def resolve_device(kind: str, local_rank: int) -> torch.device:
     if kind == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("run.device is cuda but no CUDA device is available")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
+        # More ranks than GPUs on a host share them round-robin (gloo then; NCCL refuses two
+        # ranks on one device).
+        index = local_rank % torch.cuda.device_count()
+        torch.cuda.set_device(index)
+        return torch.device("cuda", index)
     return torch.device("cpu")
 
 

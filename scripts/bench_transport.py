@@ -13,8 +13,9 @@ For each rank count, in one job per rank count (real processes, gloo on loopback
 (2) the slowdown of a dense compute loop (matmuls) on every rank while each transport runs
     20 all-to-alls of 4 MiB from a side thread, against the same loop alone, and the compute
     time lost per all-to-all (a faster transport slows the loop for less time);
-(3) On a CUDA machine: a GEMM's slowdown under a concurrent SM-based device copy against a
-    concurrent copy-engine (cudaMemcpyAsync device->pinned host) copy; skipped without CUDA.
+(3) On a CUDA machine: a GEMM's slowdown (%) under a concurrent SM-based device copy against a
+    concurrent copy-engine (cudaMemcpyAsync device->pinned host) copy, 3 alternating repeats;
+    skipped without CUDA (``--gpu-only``: this section alone).
 
 Prints tables and writes ``runs/bench_transport.json``.
 """
@@ -163,7 +164,11 @@ def run_world(world: int, sizes_kib: list[int], names: list[str]) -> dict:
     return dict(out)
 
 
-def gpu_section() -> dict | None:
+def gpu_section(repeats: int = 3) -> dict | None:
+    """A GEMM loop's slowdown while a side stream copies 512 MiB over and over, by an SM kernel
+    (an elementwise copy: what a kernel-based transport does) or by the copy engine
+    (cudaMemcpyAsync device -> pinned host: what host_staged does); the variants alternate,
+    ``repeats`` times, and each slowdown is reported as mean and range over the repeats."""
     if not torch.cuda.is_available():
         print("\n(3) GPU: skipped (no CUDA device)")
         return None
@@ -173,13 +178,18 @@ def gpu_section() -> dict | None:
     dst_dev = torch.empty_like(src)
     dst_host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
     side = torch.cuda.Stream()
+    copies = {
+        "alone": None,
+        "sm_copy": lambda: torch.bitwise_or(src, 0, out=dst_dev),  # an elementwise kernel: runs on SMs
+        "copy_engine": lambda: dst_host.copy_(src, non_blocking=True),  # cudaMemcpyAsync D2H: no kernel
+    }
 
     def gemm_ms(copy) -> float:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if copy is not None:
+        if copy is not None:  # enough copies queued to outlast the GEMM loop
             with torch.cuda.stream(side):
-                for _ in range(8):
+                for _ in range(24):
                     copy()
         start.record()
         for _ in range(20):
@@ -188,15 +198,24 @@ def gpu_section() -> dict | None:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / 20
 
-    gemm_ms(None)
-    alone = gemm_ms(None)
-    sm_copy = gemm_ms(lambda: dst_dev.copy_(src * 1))  # an elementwise kernel: runs on SMs
-    ce_copy = gemm_ms(lambda: dst_host.copy_(src, non_blocking=True))  # copy engine
-    result = {"gemm_alone_ms": alone, "with_sm_copy_ms": sm_copy, "with_copy_engine_ms": ce_copy,
-              "sm_copy_slowdown": sm_copy / alone, "copy_engine_slowdown": ce_copy / alone}
-    print("\n(3) GPU: GEMM 8192^2 bf16 with a concurrent 512 MiB copy")
-    print(f"| alone | {alone:.3f} ms |\n| with SM copy kernel | {sm_copy:.3f} ms ({sm_copy / alone:.3f}x) |\n"
-          f"| with copy-engine D2H | {ce_copy:.3f} ms ({ce_copy / alone:.3f}x) |")
+    for copy in copies.values():
+        gemm_ms(copy)  # warm-up
+    runs = {name: [] for name in copies}
+    for _ in range(repeats):
+        for name, copy in copies.items():
+            runs[name].append(gemm_ms(copy))
+    alone = statistics.mean(runs["alone"])
+    result = {"gemm_ms": {k: v for k, v in runs.items()}, "device": torch.cuda.get_device_name(0)}
+    print(f"\n(3) GPU ({result['device']}): GEMM 8192^2 bf16 with a concurrent 512 MiB copy on a side stream, "
+          f"{repeats} alternating repeats")
+    print("| beside the GEMM | GEMM ms (mean, range) | slowdown % (mean, range) |\n|---|---|---|")
+    for name, times in runs.items():
+        pct = [100.0 * (t / alone - 1.0) for t in times]
+        result[f"{name}_slowdown_pct"] = {"mean": statistics.mean(pct), "min": min(pct), "max": max(pct)}
+        print(f"| {name} | {statistics.mean(times):.3f} ({min(times):.3f}-{max(times):.3f}) | "
+              f"{statistics.mean(pct):+.1f} ({min(pct):+.1f} to {max(pct):+.1f}) |")
+    sm, ce = result["sm_copy_slowdown_pct"]["mean"], result["copy_engine_slowdown_pct"]["mean"]
+    print(f"copy engine against SM copy: the GEMM loses {ce:.1f}% instead of {sm:.1f}%")
     return result
 
 

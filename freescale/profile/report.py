@@ -57,6 +57,8 @@ def analyze(run_dir: str, warmup_steps: int | None = None) -> dict:
         raise ValueError(f"{run_dir}: the ranks' timelines share no complete step")
     result = summarize(rank_steps, warmup_steps)
     result["summary"].update(_embedding_measures(steps, result["summary"]))
+    device_timed = any("device_compute" in rec for recs in steps.values() for rec in recs)
+    result["summary"]["compute_from"] = "device events" if device_timed else "main-thread CPU"
     result["run_dir"] = run_dir
     result["ranks_meta"] = [metas.get(r, {}) for r in sorted(steps)]
     result["rank_steps"] = as_rows(rank_steps)

@@ -4,11 +4,16 @@ The same data (the experiment's source, balancer and all) is trained twice on th
 over the same module: once with ``train.pipeline: sync`` and once with ``prioritized``. After
 N steps every embedding row, the embedding optimizer's state, every dense parameter and the
 dense optimizer's state are compared on every rank, and so is each step's loss.
+
+It runs on the run's device (``run.device``, backend ``train.backend``; on CPU, gloo). On a GPU
+the same kernels run in the same order in both pipelines, but the verdict can be asked to hold
+within a tolerance (``--tolerance``) rather than bit for bit.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import struct
 from dataclasses import dataclass, field
 
@@ -39,6 +44,14 @@ class Verdict:
     """Per kind of state, the largest absolute difference on any rank."""
     collision_rate: float = 0.0
     identical: bool = False
+    device: str = "cpu"
+
+    def within(self, tolerance: float) -> bool:
+        """Bitwise identical, or every difference at most ``tolerance`` (when it is above 0)."""
+        if self.identical:
+            return True
+        diffs = [*self.step_diffs, *self.state_diffs.values()]
+        return tolerance > 0 and all(d <= tolerance for d in diffs)  # a NaN or an inf is never within
 
 
 def snapshot(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
@@ -58,16 +71,17 @@ def snapshot(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     }
 
 
-def _run(cfg: ExperimentConfig, mode: str, steps: int, topo, inputs, log) -> tuple[list[float], dict, list[float]]:
+def _run(cfg: ExperimentConfig, mode: str, steps: int, topo, inputs, log, device: torch.device
+         ) -> tuple[list[float], dict, list[float]]:
     torch.manual_seed(cfg.run.seed)
     loader = BatchLoader(inputs.train_source, batch_size=cfg.data.batch_size, rank=topo.rank,
                          world_size=topo.world_size, user_hash_size=cfg.model.user_hash_size)
     balancer = build_balancer(cfg.balance, cfg.transport, inputs.cost_model, group=topo.pg,
                               user_hash_size=cfg.model.user_hash_size)
     model = build_owned_model(cfg, num_items=inputs.train_source.num_items, max_uih_len=cfg.data.max_uih_len,
-                              topology=topo, seed=cfg.run.seed)
+                              topology=topo, seed=cfg.run.seed, device=device)
     optimizer = build_dense_optimizer(model.task, cfg.train)
-    pipeline = build_pipeline(mode, model, optimizer, torch.device("cpu"), NullTimeline(), group=topo.pg,
+    pipeline = build_pipeline(mode, model, optimizer, device, NullTimeline(), group=topo.pg,
                               transport_cfg=cfg.transport)
     try:
         batches = balancer.batches(loader.iter_samples())
@@ -113,24 +127,27 @@ def compare(ref_losses: list[float], got_losses: list[float], ref_state: dict, g
 
 def verify(cfg: ExperimentConfig, steps: int, log=print) -> Verdict:
     """Train both ways on this job's ranks; every rank returns the same verdict."""
-    device = distributed.resolve_device("cpu", 0)
-    topo = distributed.init_distributed(device, "gloo")
+    device = distributed.resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", 0)))
+    topo = distributed.init_distributed(device, cfg.train.backend)
     distributed.set_threads(cfg.run.threads, topo.local_world_size)
     inputs = read_inputs(cfg)
-    runs = {mode: _run(cfg, mode, steps, topo, inputs, log) for mode in MODES}
+    runs = {mode: _run(cfg, mode, steps, topo, inputs, log, device) for mode in MODES}
+    # The verdict's collectives go where the group's backend takes them (NCCL: the device).
+    on = device if dist.get_backend(topo.pg) == "nccl" else torch.device("cpu")
     (ref_losses, ref_state, _), (got_losses, got_state, rates) = runs["sync"], runs["prioritized"]
 
     local, state_diffs, equal = compare(ref_losses, got_losses, ref_state, got_state)
     kinds = list(state_diffs)
     diffs = [state_diffs[k] for k in kinds]
     verdict = torch.cat([torch.tensor(local, dtype=torch.float64), torch.tensor(diffs, dtype=torch.float64),
-                         torch.tensor([0.0 if equal else 1.0])])
+                         torch.tensor([0.0 if equal else 1.0], dtype=torch.float64)]).to(on)
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=topo.pg)
-    sums = torch.tensor([ref_losses, got_losses], dtype=torch.float64)
+    sums = torch.tensor([ref_losses, got_losses], dtype=torch.float64, device=on)
     dist.all_reduce(sums, group=topo.pg)
     sums /= topo.world_size
-    rate = torch.tensor([sum(rates), float(len(rates))], dtype=torch.float64)
+    rate = torch.tensor([sum(rates), float(len(rates))], dtype=torch.float64, device=on)
     dist.all_reduce(rate, group=topo.pg)
+    verdict, sums, rate = verdict.cpu(), sums.cpu(), rate.cpu()
     n = len(ref_losses)
     return Verdict(
         steps=steps,
@@ -139,14 +156,17 @@ def verify(cfg: ExperimentConfig, steps: int, log=print) -> Verdict:
         state_diffs=dict(zip(kinds, verdict[n:n + len(kinds)].tolist())),
         collision_rate=float(rate[0] / rate[1]) if rate[1] else math.nan,
         identical=bool(verdict[-1] == 0.0),
+        device=device.type,
     )
 
 
-def print_verdict(v: Verdict) -> None:
+def print_verdict(v: Verdict, tolerance: float = 0.0) -> None:
     print(f"{'step':>5} {'loss (sync)':>14} {'loss (prioritized)':>19} {'max |diff|':>11}")
     for i, (a, b, d) in enumerate(zip(v.losses["sync"], v.losses["prioritized"], v.step_diffs), 1):
         print(f"{i:>5} {a:>14.8f} {b:>19.8f} {d:>11.3g}")
     print(f"mean collision rate (per owner, per step): {100 * v.collision_rate:.1f}%")
     for kind, d in v.state_diffs.items():
         print(f"{kind + ':':<28} max |diff| {d:.3g}")
-    print("bitwise identical" if v.identical else "NOT bitwise identical")
+    print(f"on {v.device}: " + ("bitwise identical" if v.identical else "NOT bitwise identical"))
+    if tolerance > 0 and not v.identical:
+        print(f"within {tolerance:g}" if v.within(tolerance) else f"NOT within {tolerance:g}")

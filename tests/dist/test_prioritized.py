@@ -142,13 +142,14 @@ class RecordingTimeline(NullTimeline):
             self.log.append(("close", kind))
 
 
-def _train(mode, rank, world, transport_kind, log=None, steps=None):
+def _train(mode, rank, world, transport_kind, log=None, steps=None, device="cpu"):
     cfg = load_config(QUICKSTART, [*SMALL, f"--transport.kind={transport_kind}", "--transport.timeout_s=30"])
     topo = Topology(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
     torch.manual_seed(0)
-    model = build_owned_model(cfg, num_items=ITEMS, max_uih_len=cfg.data.max_uih_len, topology=topo, seed=7)
+    model = build_owned_model(cfg, num_items=ITEMS, max_uih_len=cfg.data.max_uih_len, topology=topo, seed=7,
+                              device=device)
     optimizer = build_dense_optimizer(model.task, cfg.train)
-    pipeline = build_pipeline(mode, model, optimizer, torch.device("cpu"),
+    pipeline = build_pipeline(mode, model, optimizer, torch.device(device),
                               NullTimeline() if log is None else RecordingTimeline(log), group=topo.pg,
                               transport_cfg=cfg.transport)
     if log is not None:
@@ -192,6 +193,29 @@ def _bitwise(rank, world, transport_kind):
 @pytest.mark.parametrize("transport_kind", ["torch_dist", "host_staged"])
 def test_prioritized_training_is_bitwise_equal_to_synchronous_updates(transport_kind):
     run_ranks(2, _bitwise, transport_kind)
+
+
+CUDA_TOLERANCE = 1e-5  # losses and state, sync against prioritized on the GPU
+
+
+def _on_cuda(rank, world):
+    torch.cuda.set_device(0)  # both ranks share the one GPU (gloo and host_staged: NCCL refuses that)
+    ref_losses, ref, _ = _train("sync", rank, world, "host_staged", device="cuda")
+    losses, got, rates = _train("prioritized", rank, world, "host_staged", device="cuda")
+    assert len(losses) == len(ref_losses) == 26
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= CUDA_TOLERANCE
+    for kind in ref:
+        for key in ref[kind]:
+            assert got[kind][key].device == ref[kind][key].device
+            diff = float((got[kind][key].double() - ref[kind][key].double()).abs().max()) if ref[kind][key].numel() else 0.0
+            assert diff <= CUDA_TOLERANCE, (kind, key, diff)
+    assert got["embedding rows"]["weight"].is_cuda
+    assert 0.0 in rates and 1.0 in rates, rates
+
+
+@pytest.mark.gpu
+def test_prioritized_training_on_the_gpu_matches_synchronous_updates_on_two_ranks_sharing_it():
+    run_ranks(2, _on_cuda)
 
 
 ROWS = (8,)  # the width of the embedding rows and their gradients; ids and flags have none

@@ -15,6 +15,8 @@ from helpers.launch import QUICKSTART, freescale
         (["train", "--config", str(QUICKSTART), "--data.source=ratings", "--data.ratings.path=missing.csv"],
          "data.ratings.path: file not found: missing.csv"),
         (["train", "--config", str(QUICKSTART), "--verbose"], "unrecognized argument '--verbose'"),
+        (["verify", "--config", str(QUICKSTART), "--tolerance=-1"], "--tolerance: expected a number at least 0"),
+        (["verify", "--config", str(QUICKSTART), "--tolerance=nan"], "--tolerance: expected a number at least 0"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, fragment):

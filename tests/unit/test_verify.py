@@ -63,3 +63,15 @@ def test_an_extra_key_is_a_difference():
     extra = state(w)
     extra["dense parameters"]["b"] = torch.zeros(2)
     assert not compare([0.5], [0.5], state(w), extra)[2]
+
+
+def test_a_verdict_holds_bit_for_bit_or_within_a_stated_tolerance():
+    from freescale.train.verify import Verdict
+
+    close = Verdict(steps=2, losses={}, step_diffs=[0.0, 2e-7], state_diffs={"rows": 5e-7})
+    assert not close.within(0.0)  # the default: bit for bit
+    assert close.within(1e-6) and not close.within(1e-7)
+    assert Verdict(steps=1, losses={}, step_diffs=[0.0], identical=True).within(0.0)
+    for bad in (math.nan, math.inf):
+        assert not Verdict(steps=1, losses={}, step_diffs=[bad], state_diffs={"rows": 0.0}).within(1.0)
+        assert not Verdict(steps=1, losses={}, step_diffs=[0.0], state_diffs={"rows": bad}).within(1.0)
