@@ -96,8 +96,9 @@ class CopyEngine:
         tensor.record_stream(self.stream)
         return ready
 
-    def to_device(self, host: torch.Tensor, device: torch.device, out: torch.Tensor | None = None) -> torch.Tensor:
-        """``host`` on ``device`` (into ``out`` when given); the caller's stream waits for the copy."""
+    def to_device(self, host: torch.Tensor, device: torch.device, out: torch.Tensor | None = None):
+        """``host`` on ``device`` (into ``out`` when given), and the event that says the copy is
+        complete (``host`` must not be written before); the caller's stream waits for the copy."""
         with self.module.stream(self.stream):
             if out is None:
                 out = host.to(device, non_blocking=True)
@@ -108,7 +109,7 @@ class CopyEngine:
         consumer = self.module.current_stream(device)
         consumer.wait_event(done)
         out.record_stream(consumer)
-        return out
+        return out, done
 
 
 def staged_on_host(tensor: torch.Tensor, collective, engine: CopyEngine | None = None):

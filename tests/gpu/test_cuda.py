@@ -30,7 +30,8 @@ def test_the_copy_engine_moves_a_device_tensor_to_pinned_memory_and_back_without
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         engine.to_host(x, host).synchronize()
-        back = engine.to_device(host, x.device)
+        back, done = engine.to_device(host, x.device)
+        done.synchronize()
         torch.cuda.synchronize()
     assert torch.equal(host, x.cpu()) and torch.equal(back, x)
     on_device = [e.name for e in prof.events() if e.device_type == DeviceType.CUDA]

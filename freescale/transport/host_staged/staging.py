@@ -24,6 +24,9 @@ class DeviceStaging:
     def __init__(self, pool: BufferPool) -> None:
         self.pool = pool
         self.engine = CopyEngine()
+        # Pool buffers whose copy to the device may still be under way: holding them keeps the
+        # pool from handing them out again (it reuses a buffer nobody references).
+        self._copying: list[tuple[object, torch.Tensor]] = []
 
     def to_host(self, tensor: torch.Tensor):
         """A pinned copy of ``tensor`` (under way), and the event that says it is complete."""
@@ -32,4 +35,7 @@ class DeviceStaging:
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         """``host`` on ``device``; the caller's stream waits for the copy."""
-        return self.engine.to_device(host, device)
+        self._copying = [(done, buf) for done, buf in self._copying if not done.query()]
+        out, done = self.engine.to_device(host, device)
+        self._copying.append((done, host))
+        return out
