@@ -242,8 +242,10 @@ class ProfileConfig:
     """Steps left out of the report's means (start-up, first allocations)."""
     gantt_steps: Annotated[int, Positive] = 6
     """Steps shown in the report's per-rank Gantt chart (the last ones recorded)."""
-    torch_trace_steps: list[int] = field(default_factory=list)
-    """[first, last] steps to capture with torch.profiler into profile/trace_rank<r>.json; empty = off."""
+    trace_steps: list[int] = field(default_factory=list)
+    """[first, last] steps to capture with torch.profiler into profile/trace_rank<r>.json (a Chrome
+    trace Perfetto and HolisticTraceAnalysis open; FreeScale's phases are ranges named
+    freescale.<phase>); empty = off."""
     delay_ranks: list[int] = field(default_factory=list)
     """Straggler injection: ranks whose compute is delayed every step (to validate profiling)."""
     delay_ms: Annotated[float, Range(min=0.0)] = 0.0
@@ -608,9 +610,9 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
             raise ConfigError("data.ratings.path: required when data.source is ratings")
         if not os.path.isfile(d.ratings.path):
             raise ConfigError(f"data.ratings.path: file not found: {d.ratings.path}")
-    trace = cfg.profile.torch_trace_steps
+    trace = cfg.profile.trace_steps
     if trace and (len(trace) != 2 or trace[0] < 1 or trace[1] < trace[0]):
-        raise ConfigError(f"profile.torch_trace_steps: expected [first, last] with 1 <= first <= last, got {trace}")
+        raise ConfigError(f"profile.trace_steps: expected [first, last] with 1 <= first <= last, got {trace}")
     if any(r < 0 for r in cfg.profile.delay_ranks):
         raise ConfigError(f"profile.delay_ranks: expected rank numbers >= 0, got {cfg.profile.delay_ranks}")
     if any(r < 0 for r in cfg.fault.ranks):

@@ -39,6 +39,7 @@ from freescale.config import ConfigError, ExperimentConfig, load_config
 from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse
 from freescale.ft.replica import COMMITS_FILE, ReplicaFiles
 from freescale.io import write_json_atomic
+from freescale.progress import bar, say
 from freescale.train.ledger import audit, exactly_once, expected_samples, read_ledger
 
 SUMMARY_FILE = "local_summary.json"
@@ -217,52 +218,57 @@ def _on_terminate(handler):
 def _watch(groups: list[Group], kill_all: list[int], cfg: ExperimentConfig, restart_delay: float, max_restarts: int,
            resume: bool, deadline: float, progress_every_s: float, out) -> None:
     last_line = 0.0
+    progress = bar(total=cfg.train.steps, desc="local", unit="step")  # the furthest group's committed step
+
+    def tell(message: str) -> None:
+        say(progress, message, file=out)
+
     while True:
         now = time.time()
+        progress.update(max(max(g.step() for g in groups), progress.n) - progress.n)
         if kill_all and any(g.proc is not None and g.cursor()["next_batch"] >= kill_all[0] for g in groups):
             trained = kill_all.pop(0)
             running = [g for g in groups if g.proc is not None]
             for g in running:
                 _kill(g, restart_delay)
-            print(f"[local] every group killed (SIGKILL) once one had trained {trained} batches of its shard, at "
-                  f"committed steps {', '.join(str(g.step()) for g in running)}; restart in {restart_delay:.1f} s",
-                  file=out, flush=True)
+            tell(f"[local] every group killed (SIGKILL) once one had trained {trained} batches of its shard, at "
+                  f"committed steps {', '.join(str(g.step()) for g in running)}; restart in {restart_delay:.1f} s")
         for g in groups:
             if g.proc is not None and g.kills and g.cursor()["next_batch"] >= g.kills[0]:
                 trained = g.kills.pop(0)
                 _kill(g, restart_delay)
-                print(f"[local] replica {g.replica} killed (SIGKILL) after {trained} batches of its shard, at "
-                      f"committed step {g.step()}; restart in {restart_delay:.1f} s", file=out, flush=True)
+                tell(f"[local] replica {g.replica} killed (SIGKILL) after {trained} batches of its shard, at "
+                      f"committed step {g.step()}; restart in {restart_delay:.1f} s")
             elif g.proc is None and g.restart_at is not None and now >= g.restart_at:
                 g.restart_at = None
                 others = [o for o in groups if o is not g]
                 if others and all(o.proc is None and o.restart_at is None and o.exit_code == 0 for o in others):
-                    print(f"[local] replica {g.replica} is not restarted: every other group finished the run "
-                          f"(step {cfg.train.steps}) while it was down, so there is no live run to rejoin",
-                          file=out, flush=True)
+                    tell(f"[local] replica {g.replica} is not restarted: every other group finished the run "
+                          f"(step {cfg.train.steps}) while it was down, so there is no live run to rejoin")
                     continue
                 if not any(o.proc is not None for o in others) and not resume:
-                    print(f"[local] replica {g.replica} restarts with no other group running: it resumes from the "
-                          f"job's newest checkpoint", file=out, flush=True)
+                    tell(f"[local] replica {g.replica} restarts with no other group running: it resumes from the "
+                          f"job's newest checkpoint")
                 g.failures[-1].restarted_at = time.time()
                 g.start((f"--checkpoint.resume={g.run_dir}",) if resume else ())
-                print(f"[local] replica {g.replica} restarted", file=out, flush=True)
+                tell(f"[local] replica {g.replica} restarted")
             elif g.proc is not None and g.proc.poll() is not None:
                 g.exit_code, g.proc = g.proc.returncode, None
                 if g.exit_code:
                     crashes = sum(1 for f in g.failures if f.cause != "killed")
                     again = g.exit_code != EXIT_USAGE and crashes < max_restarts
-                    print(f"[local] replica {g.replica} failed with exit code {g.exit_code} (see {g.console})"
-                          + (f"; restart in {restart_delay:.1f} s" if again else ""), file=out, flush=True)
+                    tell(f"[local] replica {g.replica} failed with exit code {g.exit_code} (see {g.console})"
+                          + (f"; restart in {restart_delay:.1f} s" if again else ""))
                     if again:
                         g.failures.append(Failure(step=g.step(), killed_at=time.time(), cause=f"exit {g.exit_code}"))
                         g.restart_at = time.time() + restart_delay
         if all(g.proc is None and g.restart_at is None for g in groups):
+            progress.close()
             return
         if now - last_line >= progress_every_s:
             last_line = now
-            print("[local] " + " | ".join(f"replica {g.replica} {g.state(now)}" for g in groups)
-                  + f" (of {cfg.train.steps})", file=out, flush=True)
+            tell("[local] " + " | ".join(f"replica {g.replica} {g.state(now)}" for g in groups)
+                  + f" (of {cfg.train.steps})")
         if now > deadline:
             raise TimeoutError("the replica groups did not finish within --timeout")
         time.sleep(0.05)

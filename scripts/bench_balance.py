@@ -37,6 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from freescale.io import write_json_atomic  # noqa: E402
+from freescale.progress import bar, say  # noqa: E402
 from freescale.balance.cost import CostModel  # noqa: E402
 from freescale.balance.partition import (PARTITIONS, equal_count_bound, evaluate, greedy, hierarchical,  # noqa: E402
                                          hierarchical_rank, imbalance, lower_bound)
@@ -195,13 +196,16 @@ def training_section(model: CostModel, rank_counts: list[int], repeats: int, ste
         print(f"\n(b) training on {ranks} CPU ranks (one thread each), {steps} steps, "
               f"mean partition lower bound {bound:.4f}")
         runs = {p: [] for p in partitions}
+        progress = bar(total=repeats * len(partitions), desc=f"bench_balance {ranks} ranks", unit="run")
         with tempfile.TemporaryDirectory() as tmp:
             for rep in range(repeats):
                 for p in partitions:
                     r = train_once(ranks, p, steps, os.path.join(tmp, f"{ranks}-{p}-{rep}"))
                     runs[p].append(r)
-                    print(f"  rep {rep} {p:<15} straggler {r['straggler_pct']:6.2f}% | step {r['step_ms']:7.1f} ms | "
-                          f"bubble fraction {r['bubble_fraction']:.3f}", flush=True)
+                    progress.update()
+                    say(progress, f"  rep {rep} {p:<15} straggler {r['straggler_pct']:6.2f}% | step {r['step_ms']:7.1f} ms"
+                        f" | bubble fraction {r['bubble_fraction']:.3f}")
+        progress.close()
         base = runs["contiguous"]
         mean = lambda rs, k: float(np.mean([r[k] for r in rs]))
         print(f"\n| partition ({ranks} ranks) | straggler % | step ms | straggler reduction (contiguous / this) | step time (this / contiguous) |")

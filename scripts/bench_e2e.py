@@ -44,6 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from freescale.io import write_json_atomic  # noqa: E402
+from freescale.progress import bar, say  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from shaped_hosts import ShapedHosts, available  # noqa: E402
@@ -225,6 +226,7 @@ def main() -> None:
     report_dir = os.path.splitext(args.out)[0] + "_report"
     total = len(args.data) * len(args.layouts) * args.repeats * len(EXPERIMENTS)
     done = 0
+    progress = bar(total=total, desc="bench_e2e", unit="run")
     with tempfile.TemporaryDirectory() as tmp:
         first_pair = None
         for source in args.data:
@@ -237,10 +239,11 @@ def main() -> None:
                         r = run_once(e, layout, run_dir, [*overrides, *common, f"--run.seed={rep}"], args.link_gbit)
                         runs[e].append(r)
                         done += 1
-                        print(f"[{done}/{total}] {source} {layout:>4} rep {rep} {e:<9} {r['samples_per_s']:7.0f} samples/s"
+                        progress.update()
+                        say(progress, f"[{done}/{total}] {source} {layout:>4} rep {rep} {e:<9} {r['samples_per_s']:7.0f} samples/s"
                               f" | bubbles {r['bubble_fraction']:.3f} | straggler {r['straggler_pct']:5.1f}% | exposed "
                               f"comm {r['exposed_comm_ms']:5.1f} ms | auc {r['auc']:.4f} | ne {r['ne']:.4f} | "
-                              f"{r['wall_s']:.0f} s", flush=True)
+                              f"{r['wall_s']:.0f} s")
                 if first_pair is None:
                     first_pair = (runs["baseline"][-1]["run_dir"], runs["freescale"][-1]["run_dir"], source, layout)
                 row = {"data": source, "layout": layout, **compare(runs), "runs": runs}

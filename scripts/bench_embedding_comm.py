@@ -53,6 +53,7 @@ sys.path.insert(0, REPO)
 from freescale.config import load_config  # noqa: E402
 from freescale.data.loader import build_sources  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
+from freescale.progress import bar, say  # noqa: E402
 
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from shaped_hosts import ShapedHosts, available  # noqa: E402
@@ -138,13 +139,16 @@ def _show(s: dict, digits: int = 1) -> str:
 
 def compare(ranks: int, repeats: int, steps: int, extra: list[str], tmp: str, label: str, hosts=None) -> dict:
     runs = {v: [] for v in VARIANTS}
+    progress = bar(total=repeats * len(VARIANTS), desc=label, unit="run")
     for rep in range(repeats):
         for v in VARIANTS:
             r = train_once(ranks, v, steps, os.path.join(tmp, f"{label}-{ranks}-{v}-{rep}"), extra, hosts)
             runs[v].append(r)
+            progress.update()
             rate = f"{100 * r['collision_rate']:.1f}%" if r["collision_rate"] is not None else "-"
-            print(f"  rep {rep} {v:<12} exposed comm {r['exposed_comm_ms']:6.2f} ms | step {r['step_ms']:7.1f} ms | "
-                  f"{r['samples_per_s']:8.1f} samples/s | collision rate {rate}", flush=True)
+            say(progress, f"  rep {rep} {v:<12} exposed comm {r['exposed_comm_ms']:6.2f} ms | step {r['step_ms']:7.1f} ms"
+                f" | {r['samples_per_s']:8.1f} samples/s | collision rate {rate}")
+    progress.close()
     stats = {v: {k: _stats(runs[v], k) for k in ("exposed_comm_ms", "step_ms", "samples_per_s", "compute_ms",
                                                   "collision_rate")} for v in VARIANTS}
     base, ours, sync = stats["sparse_dist"], stats["prioritized"], stats["sync"]

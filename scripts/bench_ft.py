@@ -48,6 +48,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from freescale.io import write_json_atomic  # noqa: E402
+from freescale.progress import bar, say  # noqa: E402
 from freescale.local import read_commits, run_local  # noqa: E402
 from freescale.train.ledger import read_ledger  # noqa: E402
 
@@ -132,12 +133,15 @@ def main() -> None:
     started = time.time()
     order = [(v, f) for v in VARIANTS for f in (False, True)]
     runs = {f"{v}/{'failures' if f else 'clean'}": [] for v, f in order}
+    progress = bar(total=args.repeats * len(order), desc="bench_ft", unit="run")
     with tempfile.TemporaryDirectory(prefix="bench_ft-") as root:
         for rep in range(args.repeats):
-            print(f"repetition {rep + 1}/{args.repeats}", flush=True)
+            say(progress, f"repetition {rep + 1}/{args.repeats}")
             for variant, failures in (order if rep % 2 == 0 else order[::-1]):
                 runs[f"{variant}/{'failures' if failures else 'clean'}"].append(
                     run_variant(variant, failures, args, args.set, root))
+                progress.update()
+    progress.close()
     stats = {}
     for v in VARIANTS:
         clean, failed = runs[f"{v}/clean"], runs[f"{v}/failures"]

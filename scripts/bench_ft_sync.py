@@ -44,6 +44,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from freescale.io import write_json_atomic  # noqa: E402
+from freescale.progress import bar, say  # noqa: E402
 from freescale.local import run_local  # noqa: E402
 
 CONFIG = os.path.join(REPO, "configs", "ft_local.yaml")
@@ -90,14 +91,17 @@ def main() -> None:
     started = time.time()
     names = args.variants
     runs = {n: [] for n in names}
+    progress = bar(total=args.repeats * len(names), desc="bench_ft_sync", unit="run")
     with tempfile.TemporaryDirectory(prefix="bench_ft_sync-") as root:
         for rep in range(args.repeats):
-            print(f"repetition {rep + 1}/{args.repeats} (run.seed {rep})", flush=True)
+            say(progress, f"repetition {rep + 1}/{args.repeats} (run.seed {rep})")
             common = [*DATA[args.data], *args.set, f"train.steps={args.steps}", f"run.seed={rep}",
                       f"data.eval_samples={args.eval_samples}",
                       "train.eval_every=0", "train.ledger=false", "checkpoint.every=0", "checkpoint.at_end=false"]
             for name in (names if rep % 2 == 0 else names[::-1]):
                 runs[name].append(train(name, args, common, root))
+                progress.update()
+    progress.close()
     stats = {n: {k: {"mean": round(statistics.fmean(r[k] for r in rs), 5), "min": min(r[k] for r in rs),
                      "max": max(r[k] for r in rs)} for k in ("auc", "ne")} for n, rs in runs.items()}
     # Per seed, the groups' AUC minus the one group's on the same data.

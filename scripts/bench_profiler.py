@@ -22,6 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from freescale.io import write_json_atomic  # noqa: E402
+from freescale.progress import bar  # noqa: E402
 from freescale.profile.timeline import StepTimeline  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def main() -> None:
     print(f"recorder alone: {micro:.1f} us per step")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.repeats):
+        for i in bar(range(args.repeats), desc="bench_profiler", unit="pair"):
             off = train_ms_per_step(False, args.steps, os.path.join(tmp, f"off{i}"))
             on = train_ms_per_step(True, args.steps, os.path.join(tmp, f"on{i}"))
             rows.append({"repeat": i, "off_ms_per_step": round(off, 3), "on_ms_per_step": round(on, 3),

@@ -39,6 +39,7 @@ sys.path.insert(0, REPO)
 
 from freescale.config import TransportConfig  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
+from freescale.progress import bar  # noqa: E402
 from freescale.transport.registry import build_transport  # noqa: E402
 
 
@@ -231,7 +232,7 @@ def main() -> None:
 
     staged = [f"host_staged[{p}]" for p in args.local_paths]
     result = {"worlds": {}}
-    for world in ([] if args.gpu_only else args.ranks):
+    for world in bar([] if args.gpu_only else args.ranks, desc="bench_transport", unit="rank count"):
         data = run_world(world, args.sizes_kib, ["torch_dist", *staged])
         result["worlds"][world] = data
         by = {(r["kib"], r["transport"]): r for r in data["rows"]}

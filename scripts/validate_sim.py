@@ -64,6 +64,7 @@ sys.path.insert(0, REPO)
 
 from freescale.balance.cost import load_cost_model  # noqa: E402
 from freescale.config import load_config  # noqa: E402
+from freescale.progress import bar, say  # noqa: E402
 from freescale.data.loader import build_sources  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
 from freescale.profile.bubbles import decompose  # noqa: E402
@@ -231,6 +232,7 @@ def measured_rows(path: str) -> dict:
 def measure_reference(ranks: list[int], repeats: int, steps: int, warmup: int, work: str) -> dict:
     """The shipped experiments on this machine now, alternating, as scripts/bench_e2e.py runs them."""
     out = {}
+    progress = bar(total=len(ranks) * repeats * len(bench_e2e.EXPERIMENTS), desc="reference runs", unit="run")
     for R in ranks:
         runs = {e: [] for e in bench_e2e.EXPERIMENTS}
         for rep in range(repeats):
@@ -238,9 +240,11 @@ def measure_reference(ranks: list[int], repeats: int, steps: int, warmup: int, w
                 r = bench_e2e.run_once(e, str(R), os.path.join(work, f"ref-{R}-{e}-{rep}"),
                                        [*bench_e2e.common_overrides(steps, warmup), f"--run.seed={rep}"])
                 runs[e].append(r)
-                print(f"[reference] {R} ranks rep {rep} {e:<9} straggler {r['straggler_pct']:5.1f}% | exposed comm "
-                      f"{r['exposed_comm_ms']:6.1f} ms", flush=True)
+                progress.update()
+                say(progress, f"[reference] {R} ranks rep {rep} {e:<9} straggler {r['straggler_pct']:5.1f}% | exposed "
+                    f"comm {r['exposed_comm_ms']:6.1f} ms")
         out[R] = {e: {m: bench_e2e._stats([x[m] for x in rs]) for m in METRICS} for e, rs in runs.items()}
+    progress.close()
     return out
 
 

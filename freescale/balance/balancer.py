@@ -32,6 +32,7 @@ import torch
 from freescale.balance.cost import CostModel
 from freescale.balance.partition import PARTITIONS
 from freescale.data.batch import Batch, Samples
+from freescale.profile.timeline import phase
 
 _META = 4  # sample id, user id, UIH length, candidate count
 
@@ -103,8 +104,9 @@ class Balancer:
         exchanging = None
         while True:
             k, local, gather = gathering
-            plan = self.plan(gather.wait().numpy(), len(local))
-            started = (k, self.exchange(local, plan))
+            with phase("balance"):
+                plan = self.plan(gather.wait().numpy(), len(local))
+                started = (k, self.exchange(local, plan))
             gathering = start_gather()
             if exchanging is not None:
                 yield self._finish(*exchanging)

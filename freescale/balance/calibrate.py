@@ -19,6 +19,7 @@ from freescale.config import ExperimentConfig
 from freescale.data.batch import Batch, Samples
 from freescale.device import Streams
 from freescale.distributed import resolve_device
+from freescale.progress import bar, say
 from freescale.model.seqrec import SeqRecModel
 
 
@@ -50,6 +51,7 @@ def calibrate(cfg: ExperimentConfig, *, repeats: int = 5, tokens_per_batch: int 
     lengths, candidates = default_grid(cfg.data.max_uih_len, cfg.data.num_candidates)
     rows = []
     total = len(lengths) * len(candidates)
+    points = bar(total=total, desc="calibrate", unit="point")
     for i, L in enumerate(lengths):
         n = int(np.clip(tokens_per_batch // L, 1, cfg.data.batch_size))
         for C in candidates:
@@ -66,7 +68,13 @@ def calibrate(cfg: ExperimentConfig, *, repeats: int = 5, tokens_per_batch: int 
                     times.append(time.perf_counter() - t0)
             per_sample = float(np.median(times)) / n
             rows.append((L, C, per_sample))
-            log(f"[calibrate {len(rows)}/{total}] L={L:>6} C={C:>3} batch={n:>4}: {1e3 * per_sample:.4f} ms/sample")
+            points.update()
+            message = f"[calibrate {len(rows)}/{total}] L={L:>6} C={C:>3} batch={n:>4}: {1e3 * per_sample:.4f} ms/sample"
+            if log is print:
+                say(points, message)  # above the bar when there is one
+            else:
+                log(message)
+    points.close()
     L, C, y = map(np.array, zip(*rows))
     info = {"grid": [[int(a), int(b), float(c)] for a, b, c in rows], "threads": torch.get_num_threads(),
             "device": device.type,

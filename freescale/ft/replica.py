@@ -65,6 +65,7 @@ from freescale.device import CopyEngine, staged_on_host
 from freescale.ft.catchup import load_transferred, transfer_state
 from freescale.ft.row_exchange import Header, RowPlan, empty_plan, pack_header, pack_keys, plan_rows, read_header
 from freescale.io import write_json_atomic
+from freescale.profile.timeline import phase
 
 log = logging.getLogger("freescale")
 
@@ -212,7 +213,8 @@ class ReplicaLayer:
 
     def _snapshot(self) -> dict:
         """Called in torchft's quorum thread, before this group writes anything in the step."""
-        return transfer_state({"training": self.state.state_dict(), "tables": self.side.state_dict()})
+        with phase("catch_up_snapshot"):
+            return transfer_state({"training": self.state.state_dict(), "tables": self.side.state_dict()})
 
     def _receive(self, state: dict) -> None:
         """A peer's state, at this rank's vote: kept until the group has voted."""
@@ -220,8 +222,9 @@ class ReplicaLayer:
 
     def _adopt(self, state: dict) -> None:
         grads = [p.grad for p in self.dense_params]  # the step's averaged gradients outlive the load
-        load_transferred(self.state, state["training"])
-        self.side.load_state_dict(state["tables"])
+        with phase("catch_up"):
+            load_transferred(self.state, state["training"])
+            self.side.load_state_dict(state["tables"])
         for p, g in zip(self.dense_params, grads):
             p.grad = g
         log.info(f"caught up with a peer at step {self.trainer_step}")

@@ -33,6 +33,12 @@ Compute is measured, not inferred from spans: on CPU a rank's kernels run on its
 collective sleeps, so the main thread's CPU time is its own compute and the rest of the step
 is waiting. ``freescale.profile.bubbles`` turns the records into the bubble measures.
 
+Every span is also a ``torch.profiler.record_function`` range named ``freescale.<kind>`` (and
+the balancer's ``freescale.balance``, the replica layer's ``freescale.catch_up``, the pipelines'
+``freescale.exclusive_send`` / ``collision_send`` / ``deferred_send``), so a ``torch.profiler``
+trace (``profile.trace_steps`` writes one per rank, ``profile/trace_rank<r>.json``, which
+Perfetto and HolisticTraceAnalysis open) shows FreeScale's phases beside the kernels.
+
 Recording never blocks training: spans are a few ``time.time()`` calls, and each step is one
 buffered line appended to ``<run>/profile/rank<r>.jsonl``.
 """
@@ -54,6 +60,11 @@ WAIT_KINDS = ("data", "input_dist", "id_wait", "flags_wait", "exclusive_wait", "
 
 def rank_file(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, PROFILE_DIR, f"rank{rank}.jsonl")
+
+
+def phase(kind: str):
+    """A ``torch.profiler`` range for a FreeScale phase (a context manager)."""
+    return torch.profiler.record_function(f"freescale.{kind}")
 
 
 class DeviceClock:
@@ -99,7 +110,7 @@ class StepTimeline:
     """Records one rank's steps. Only the main thread records."""
 
     def __init__(self, path: str, *, rank: int, world_size: int, clock_offset: float, threads: int,
-                 torch_trace_steps: list[int] | None = None, trace_path: str = "",
+                 trace_steps: list[int] | None = None, trace_path: str = "",
                  device_clock: DeviceClock | None = None) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         self.rank = rank
@@ -109,9 +120,9 @@ class StepTimeline:
                               "threads": threads, "host": os.uname().nodename}})
         self._in_step = False
         self._spans: list = []
-        self._open: dict[str, tuple[float, float]] = {}
+        self._open: dict[str, tuple] = {}  # kind -> (start, thread CPU, profiler range)
         self._span_cpu: dict[str, float] = {}
-        self._trace_steps = torch_trace_steps or []
+        self._trace_steps = trace_steps or []
         self._trace_path = trace_path
         self._torch_profiler = None
         self._clock = device_clock
@@ -144,6 +155,9 @@ class StepTimeline:
             self._device_start = self._clock.mark()
 
     def end_step(self, step: int, output) -> None:
+        for _, _, marker in self._open.values():  # a span left open ends with its step in a trace
+            marker.__exit__(None, None, None)
+        self._open = {}
         end = self.now()
         cpu = time.thread_time() - self._cpu0
         process_cpu = time.process_time() - self._process_cpu0
@@ -168,7 +182,9 @@ class StepTimeline:
 
     def open(self, kind: str) -> None:
         if self._in_step:
-            self._open[kind] = (self.now(), time.thread_time())
+            marker = phase(kind)
+            marker.__enter__()
+            self._open[kind] = (self.now(), time.thread_time(), marker)
             if self._clock is not None:
                 self._device_open[kind] = self._clock.mark()
 
@@ -180,7 +196,8 @@ class StepTimeline:
     def close(self, kind: str) -> None:
         opened = self._open.pop(kind, None)
         if opened is not None:
-            start, cpu = opened
+            start, cpu, marker = opened
+            marker.__exit__(None, None, None)
             self._spans.append([kind, start, self.now()])
             self._span_cpu[kind] = self._span_cpu.get(kind, 0.0) + time.thread_time() - cpu
             first = self._device_open.pop(kind, None)
@@ -189,16 +206,20 @@ class StepTimeline:
 
     @contextmanager
     def device_span(self, kind: str, stream):
-        """Time the work issued to ``stream`` inside the block (on a GPU; nothing on CPU, where
-        the work is the transport's threads')."""
-        if not self._in_step or self._clock is None or stream is None:
+        """A profiler range for the block, and on a GPU the device time of the work issued to
+        ``stream`` inside it (on CPU that work is the transport's threads')."""
+        if not self._in_step:
             yield
             return
-        first = self._clock.mark(stream)
-        try:
-            yield
-        finally:
-            self._device_spans.append((kind, first, self._clock.mark(stream)))
+        with phase(kind):
+            if self._clock is None or stream is None:
+                yield
+                return
+            first = self._clock.mark(stream)
+            try:
+                yield
+            finally:
+                self._device_spans.append((kind, first, self._clock.mark(stream)))
 
     def _write_completed(self, wait: bool) -> None:
         """Write the pending steps whose last event has completed, in order (all of them, waiting
@@ -338,5 +359,5 @@ def build_timeline(cfg, run_dir: str, *, rank: int, world_size: int, threads: in
 
     trace = os.path.join(run_dir, PROFILE_DIR, f"trace_rank{rank}.json")
     return StepTimeline(rank_file(run_dir, rank), rank=rank, world_size=world_size, clock_offset=estimate_clock_offset(group),
-                        threads=threads, torch_trace_steps=cfg.torch_trace_steps, trace_path=trace,
+                        threads=threads, trace_steps=cfg.trace_steps, trace_path=trace,
                         device_clock=clock)

@@ -53,6 +53,7 @@ import numpy as np
 from freescale.balance.cost import CostModel
 from freescale.balance.partition import PARTITIONS
 from freescale.config import ExperimentConfig, SimConfig
+from freescale.progress import bar
 
 INDEX_BYTES = 8  # an int64 id
 VALUE_BYTES = 4  # an fp32 embedding value or gradient
@@ -347,7 +348,9 @@ def project(cfg: ExperimentConfig, model: CostModel, ranks: list[int] | None = N
     """Every rank count of ``sim.ranks`` (or ``ranks``), both variants, and effective training time."""
     sampler = LengthSampler(cfg, seed=cfg.run.seed)
     rows = []
-    for R in ranks or cfg.sim.ranks:
+    counts = list(ranks or cfg.sim.ranks)
+    progress = bar(total=len(counts), desc="simulate", unit="rank count")
+    for R in counts:
         t0 = time.perf_counter()
         row = {"ranks": R, "hosts": _hosts(R, cfg.sim)[1]}
         for v in variants(cfg):
@@ -357,8 +360,10 @@ def project(cfg: ExperimentConfig, model: CostModel, ranks: list[int] | None = N
         if cfg.sim.failures_per_rank_hour > 0:
             row["effective_training_time"] = effective_training_time(R, cfg.sim)
         rows.append(row)
+        progress.update()
         log(f"[simulate] {R} ranks: baseline {b['step_ms']:.1f} ms/step, freescale {f['step_ms']:.1f} ms/step "
             f"({time.perf_counter() - t0:.1f} s)")
+    progress.close()
     return {"variants": [dataclasses.asdict(v) for v in variants(cfg)], "data": sampler.source,
             "sim": dataclasses.asdict(cfg.sim), "cost_model": {k: getattr(model, k) for k in "abcd"}, "rows": rows}
 

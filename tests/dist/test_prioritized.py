@@ -300,7 +300,7 @@ def test_the_report_shows_the_collision_rate_the_hot_items_set(tmp_path):
     for p in (0.0, 1.0):
         run_dir = tmp_path / f"hot{p}"
         check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *big, f"--data.synthetic.hot_prob={p}",
-                       f"--run.dir={run_dir}"))
+                       f"--run.dir={run_dir}", "--profile.trace_steps=[4,5]"))
         report = json.loads((run_dir / "report" / "report.json").read_text())
         rates[p] = report["summary"]["collision_rate"]
         # The rate is the profile's counts: collision rows over rows read, every rank, steps after warm-up.
@@ -309,4 +309,11 @@ def test_the_report_shows_the_collision_rate_the_hot_items_set(tmp_path):
         expected = sum(r["collision_rows"] for r in counted) / sum(r["read_rows"] for r in counted)
         assert rates[p] == pytest.approx(expected, abs=1e-6)
         assert "collision rate" in (run_dir / "report" / "report.html").read_text()
+        # The pipeline's waits and exchanges are profiler ranges in each rank's trace.
+        for r in (0, 1):
+            trace = json.loads((run_dir / "profile" / f"trace_rank{r}.json").read_text())
+            names = {e.get("name") for e in trace["traceEvents"]}
+            assert {"freescale.id_wait", "freescale.flags_wait", "freescale.exclusive_wait", "freescale.collision_wait",
+                    "freescale.exclusive_send", "freescale.collision_send", "freescale.deferred_send"} <= names, \
+                sorted(n for n in names if str(n).startswith("freescale"))
     assert rates[0.0] < 0.02 and rates[1.0] > 0.9
