@@ -1,0 +1,251 @@
+"""``freescale export``: an inference model from a training checkpoint, loadable without FreeScale.
+
+From a run folder's checkpoint (any pipeline, any number of ranks) the model's tensors are read
+whole: DCP reassembles every sharded table (TorchRec's row- or column-wise shards, FreeScale's
+own row-wise blocks) into one tensor, with no process group. Then:
+
+- each embedding table is quantized row-wise (``--quantize``: fp32, fp16, int8, int4) exactly
+  as TorchRec's quantized ``EmbeddingCollection`` stores it (``quantize_state_dict``: fbgemm's
+  ``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf``, an fp16 scale and bias per row for int8 and
+  int4), saved as plain tensors in ``tables.pt``;
+- the dense part is captured by ``torch.export`` (``ServingDense``: the training forward over
+  padded inputs) into ``dense.pt2``: a program, not FreeScale's code, that ``torch.export.load``
+  runs with dynamic batch, history and candidate sizes;
+- the trained model (FreeScale's training forward, fp32) is evaluated on the held-out set, and
+  ``manifest.json`` records the config, the tables (rows, width, quantization), the held-out
+  AUC / NE and the files' sizes; ``config.yaml`` is the run's config, ``serve.py`` the loader
+  (``freescale.serve.standalone``: torch, TorchRec and fbgemm only).
+
+The folder is written next to ``--out`` and renamed into place once complete: an export that
+fails leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from freescale.config import ConfigError, ExperimentConfig, dump_yaml, load_config, to_dict
+from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
+from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, SeqRecModel, SeqRecTask
+from freescale.progress import bar
+from freescale.serve import standalone
+from freescale.serve.dense import ServingDense
+from freescale.train.checkpoint import list_checkpoints
+
+QUANTIZATIONS = {"fp32": "FP32", "fp16": "FP16", "int8": "INT8", "int4": "INT4"}
+"""``--quantize`` -> TorchRec's ``DataType`` name."""
+FORMAT = "freescale-export/1"
+
+
+class ExportError(Exception):
+    """Bad input to ``freescale export`` (one line, exit status 2)."""
+
+
+@dataclass
+class Trained:
+    """A checkpoint's model, whole: its tables and the dense part's state."""
+
+    cfg: ExperimentConfig
+    step: int
+    checkpoint: str
+    tables: dict[str, torch.Tensor]
+    task_state: dict[str, torch.Tensor]
+
+
+def find_checkpoint(run_dir: str, step: int | None) -> tuple[int, str]:
+    """(step, folder) of the run's checkpoint at ``step`` (default: the newest)."""
+    if not os.path.isdir(run_dir):
+        raise ExportError(f"run folder not found: {run_dir}")
+    if not os.path.isfile(os.path.join(run_dir, "config.yaml")):
+        raise ExportError(f"not a run folder (no config.yaml): {run_dir}")
+    found = list_checkpoints(os.path.join(run_dir, "checkpoints"))
+    if not found:
+        raise ExportError(f"no checkpoint in {run_dir} (expected {run_dir}/checkpoints/step_N; train with "
+                          "checkpoint.every or checkpoint.at_end)")
+    if step is None:
+        return found[-1]
+    for s, path in found:
+        if s == step:
+            return s, path
+    raise ExportError(f"--step {step}: no checkpoint of that step in {run_dir} (steps: "
+                      f"{', '.join(str(s) for s, _ in found)})")
+
+
+def read_trained(run_dir: str, step: int | None = None) -> Trained:
+    """The checkpoint's tables and dense state, whole (no process group needed)."""
+    step, path = find_checkpoint(run_dir, step)
+    try:
+        cfg = load_config(os.path.join(run_dir, "config.yaml"))
+    except ConfigError as e:
+        raise ExportError(f"{run_dir}/config.yaml: {e}") from None
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise ExportError(f"{path}: unreadable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    wanted = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
+              if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    dcp.load(wanted, checkpoint_id=path, no_dist=True)
+    tables, task = {}, {}
+    for key, value in wanted.items():
+        for name in (ITEM_TABLE, USER_TABLE):
+            if key.endswith(f".{name}.weight"):
+                tables[name] = value
+        if "task." in key:
+            task[key.split("task.", 1)[1]] = value
+    if ITEM_TABLE not in tables or not task:
+        raise ExportError(f"{path}: no model in the checkpoint (expected the {ITEM_TABLE} table and the dense task)")
+    if cfg.model.user_features and USER_TABLE not in tables:
+        raise ExportError(f"{path}: model.user_features is on but the checkpoint has no {USER_TABLE}")
+    return Trained(cfg, step, path, tables, task)
+
+
+def trained_model(trained: Trained) -> SeqRecModel:
+    """The trained model as training computes it (fp32, unsharded, on CPU)."""
+    cfg = trained.cfg
+    model = SeqRecModel(cfg.model, cfg.embedding, num_items=int(trained.tables[ITEM_TABLE].shape[0]),
+                        max_uih_len=cfg.data.max_uih_len, device=torch.device("cpu"))
+    with torch.no_grad():
+        model.item_ec.embeddings[ITEM_TABLE].weight.copy_(trained.tables[ITEM_TABLE])
+        if model.user_ebc is not None:
+            model.user_ebc.embedding_bags[USER_TABLE].weight.copy_(trained.tables[USER_TABLE])
+    model.task.load_state_dict(trained.task_state)
+    return model.eval()
+
+
+def held_out(cfg: ExperimentConfig) -> list:
+    """The run's held-out batches (its first ``data.eval_samples`` held-out samples, one rank)."""
+    from freescale.data.loader import build_sources, eval_batches
+
+    _, source = build_sources(cfg.data, cfg.run.seed)
+    return eval_batches(source, num_samples=cfg.data.eval_samples, batch_size=cfg.data.batch_size, rank=0,
+                        world_size=1, user_hash_size=cfg.model.user_hash_size)
+
+
+def heldout_metrics(labels: np.ndarray, logits: np.ndarray, samples: int) -> dict:
+    from freescale.train.metrics import auc, normalized_entropy
+
+    return {"samples": samples, "candidates": int(len(labels)), "auc": round(auc(labels, logits), 6),
+            "ne": round(normalized_entropy(labels, logits), 6)}
+
+
+def evaluate_trained(model: SeqRecModel, batches: list) -> dict:
+    logits, labels = [], []
+    with torch.no_grad():
+        for batch in batches:
+            _, out = model(batch)
+            logits.append(out.logits)
+            labels.append(out.labels)
+    samples = sum(int(b.uih_lengths.numel()) for b in batches)
+    return heldout_metrics(torch.cat(labels).numpy(), torch.cat(logits).numpy(), samples)
+
+
+def quantized_tables(trained: Trained, quantize: str) -> tuple[list[dict], dict]:
+    """The tables' specs and their row-wise quantized weights, as TorchRec's quantized
+    ``EmbeddingCollection`` takes them."""
+    from torchrec.modules.embedding_configs import DataType, EmbeddingConfig
+    from torchrec.modules.embedding_modules import EmbeddingCollection
+    from torchrec.quant.embedding_modules import quantize_state_dict
+
+    features = {ITEM_TABLE: [UIH_FEATURE, CANDIDATE_FEATURE], USER_TABLE: [USER_FEATURE]}
+    names = [n for n in (ITEM_TABLE, USER_TABLE) if n in trained.tables and (n == ITEM_TABLE or trained.cfg.model.user_features)]
+    specs = [{"name": n, "rows": int(trained.tables[n].shape[0]), "dim": int(trained.tables[n].shape[1]),
+              "data_type": QUANTIZATIONS[quantize], "features": features[n]} for n in names]
+    floats = EmbeddingCollection(tables=[EmbeddingConfig(name=s["name"], embedding_dim=s["dim"], num_embeddings=s["rows"],
+                                                         feature_names=s["features"]) for s in specs],
+                                 device=torch.device("meta"))
+    floats = floats.to_empty(device="cpu")
+    with torch.no_grad():
+        for n in names:
+            floats.embeddings[n].weight.copy_(trained.tables[n])
+    quantized: dict = {}
+    quantize_state_dict(floats, quantized, {s["name"]: DataType[s["data_type"]] for s in specs})
+    return specs, {n: {"weight": w.contiguous(), "scale_shift": None if ss is None else ss.contiguous()}
+                   for n, (w, ss) in quantized.items()}
+
+
+def export_dense(task: SeqRecTask, path: str) -> None:
+    """``ServingDense`` over ``task``, captured by ``torch.export`` with dynamic sizes, saved to ``path``."""
+    from torch.export import Dim
+
+    dim = task.cfg.embedding_dim
+    gen = torch.Generator().manual_seed(0)
+    example = (torch.randn(3, 5, dim, generator=gen), torch.tensor([5, 0, 3]), torch.randn(3, 4, dim, generator=gen),
+               torch.tensor([4, 2, 1]), torch.randn(3, dim, generator=gen))
+    batch, history, candidates = Dim("batch", min=1), Dim("history", min=2), Dim("candidates", min=2)
+    shapes = {"uih": {0: batch, 1: history}, "uih_lengths": {0: batch}, "cand": {0: batch, 1: candidates},
+              "cand_counts": {0: batch}, "user": {0: batch}}
+    program = torch.export.export(ServingDense(task).eval(), example, dynamic_shapes=shapes)
+    torch.export.save(program, path)
+
+
+def export(run_dir: str, out: str, *, step: int | None = None, quantize: str = "int8") -> dict:
+    """Write the export folder ``out``; returns its manifest."""
+    if quantize not in QUANTIZATIONS:
+        raise ExportError(f"--quantize: expected one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
+    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
+        raise ExportError(f"--out {out} exists and is not an empty folder (choose another, or remove it)")
+    phases = bar(total=5, desc="export", unit="phase")
+    phases.set_postfix_str("reading the checkpoint")
+    trained = read_trained(run_dir, step)
+    cfg = trained.cfg
+    phases.update()
+    phases.set_postfix_str("evaluating the trained model")
+    model = trained_model(trained)
+    metrics = evaluate_trained(model, held_out(cfg))
+    phases.update()
+
+    parent = os.path.dirname(os.path.abspath(out)) or "."
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.", dir=parent)
+    try:
+        phases.set_postfix_str(f"quantizing the tables ({quantize})")
+        specs, weights = quantized_tables(trained, quantize)
+        torch.save(weights, os.path.join(tmp, standalone.TABLES))
+        phases.update()
+        phases.set_postfix_str("exporting the dense part")
+        export_dense(model.task, os.path.join(tmp, standalone.DENSE))
+        phases.update()
+        shutil.copyfile(standalone.__file__, os.path.join(tmp, "serve.py"))
+        with open(os.path.join(tmp, "config.yaml"), "w") as f:
+            f.write(dump_yaml(cfg))
+        files = {name: os.path.getsize(os.path.join(tmp, name)) for name in (standalone.TABLES, standalone.DENSE)}
+        manifest = {
+            "format": FORMAT,
+            "quantize": quantize,
+            "source": {"run_dir": os.path.abspath(run_dir), "step": trained.step, "checkpoint": trained.checkpoint,
+                       "pipeline": cfg.train.pipeline},
+            "tables": specs,
+            "features": {"uih": UIH_FEATURE, "candidates": CANDIDATE_FEATURE, "user": USER_FEATURE},
+            "embedding_dim": cfg.model.embedding_dim,
+            "user_features": cfg.model.user_features,
+            "user_hash_size": cfg.model.user_hash_size,
+            "max_uih_len": cfg.data.max_uih_len,
+            "dense": {"file": standalone.DENSE, "format": "torch.export ExportedProgram (torch.export.load)",
+                      "inputs": "uih [B, L, D], uih_lengths [B], cand [B, C, D], cand_counts [B], user [B, D]; "
+                                "B >= 1, L >= 2, C >= 2 (pad with zeros)", "output": "logits [B, C]"},
+            "heldout": {**metrics, "of": "the trained model (fp32, FreeScale's training forward)"},
+            "files": files,
+            "size_bytes": sum(files.values()),
+            "config": to_dict(cfg),
+        }
+        with open(os.path.join(tmp, standalone.MANIFEST), "w") as f:
+            json.dump(manifest, f, indent=2)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (checked above)
+        os.replace(tmp, out)
+        phases.update()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        phases.close()
+    return manifest

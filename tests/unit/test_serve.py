@@ -1,0 +1,70 @@
+"""The served dense part against the training forward, and its ``torch.export`` program."""
+
+import pytest
+import torch
+from torchrec.sparse.jagged_tensor import JaggedTensor
+
+from freescale.config import ModelConfig
+from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
+from freescale.serve.dense import ServingDense
+from freescale.serve.export import export_dense
+from freescale.serve.standalone import _padded
+from freescale.model.seqrec import SeqRecTask
+
+TOLERANCE = 1e-5  # logits, padded (serving) against jagged (training)
+
+
+def _task(user_features=True, d_model=0):
+    torch.manual_seed(0)
+    cfg = ModelConfig(embedding_dim=16, d_model=d_model, num_layers=2, num_heads=2, mlp_dims=[8],
+                      user_features=user_features, attention_padding=1.25)
+    return SeqRecTask(cfg, max_uih_len=6).eval()
+
+
+def _batch(uih_lengths, cand_counts, dim=16, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    uih_lengths, cand_counts = torch.tensor(uih_lengths), torch.tensor(cand_counts)
+    uih = torch.randn(int(uih_lengths.sum()), dim, generator=g)
+    cand = torch.randn(int(cand_counts.sum()), dim, generator=g)
+    user = torch.randn(len(uih_lengths), dim, generator=g)
+    return uih, uih_lengths, cand, cand_counts, user
+
+
+def _training_logits(task, uih, uih_lengths, cand, cand_counts, user):
+    seq = {UIH_FEATURE: JaggedTensor(values=uih, lengths=uih_lengths),
+           CANDIDATE_FEATURE: JaggedTensor(values=cand, lengths=cand_counts)}
+    n = int(cand_counts.sum())
+    _, out = task(seq, {USER_FEATURE: user} if task.cfg.user_features else None, uih_lengths, cand_counts,
+                  torch.zeros(n), torch.arange(len(uih_lengths)), torch.tensor(0), torch.tensor(1.0))
+    return out.logits
+
+
+def _serving_logits(dense, uih, uih_lengths, cand, cand_counts, user):
+    L, C = max(2, int(uih_lengths.max())), max(2, int(cand_counts.max()))
+    logits = dense(_padded(uih, uih_lengths, L), uih_lengths, _padded(cand, cand_counts, C), cand_counts, user)
+    return logits[torch.arange(C)[None, :] < cand_counts[:, None]]
+
+
+@pytest.mark.parametrize("user_features, d_model", [(True, 0), (False, 0), (True, 24)])
+def test_the_padded_dense_part_computes_what_training_does(user_features, d_model):
+    task = _task(user_features, d_model)
+    # Histories longer than the position table (clamped), empty ones, one candidate and several.
+    inputs = _batch([3, 0, 6, 9, 1, 0], [2, 1, 3, 1, 2, 2])
+    with torch.no_grad():
+        want = _training_logits(task, *inputs)
+        got = _serving_logits(ServingDense(task).eval(), *inputs)
+    assert got.shape == want.shape
+    assert float((got - want).abs().max()) <= TOLERANCE
+    assert torch.isfinite(got).all()
+
+
+def test_the_exported_program_takes_other_sizes_than_its_example(tmp_path):
+    task = _task()
+    export_dense(task, str(tmp_path / "dense.pt2"))
+    program = torch.export.load(str(tmp_path / "dense.pt2")).module()
+    for lengths, counts in (([7, 0, 2, 4, 4, 1, 3], [1, 3, 2, 2, 1, 1, 4]), ([2], [1]), ([0, 0], [2, 2])):
+        inputs = _batch(lengths, counts, seed=len(lengths))
+        with torch.no_grad():
+            want = _training_logits(task, *inputs)
+            got = _serving_logits(program, *inputs)
+        assert float((got - want).abs().max()) <= TOLERANCE, (lengths, counts)
