@@ -84,6 +84,20 @@ def _parser() -> argparse.ArgumentParser:
     simp.add_argument("--config", required=True, help="experiment YAML file (its sim section holds the machine)")
     simp.add_argument("--out", default="", help="write the projection as JSON here too")
     simp.add_argument("--plot", default="", help="draw bubbles and effective training time against ranks into this PNG")
+    exp = sub.add_parser("export", help="an inference model from a run's checkpoint: tables quantized row-wise, the "
+                         "dense part as a torch.export program; it loads with torch, torchrec and fbgemm alone")
+    exp.add_argument("run_dir", metavar="RUN_DIR", help="the run folder (any pipeline, any number of ranks)")
+    exp.add_argument("--step", type=int, help="the checkpoint's step (default: the newest)")
+    exp.add_argument("--out", required=True, help="the export folder to write (must not exist, or be empty)")
+    exp.add_argument("--quantize", default="int8", help="the tables' row-wise quantization: fp32, fp16, int8 "
+                     "(default) or int4")
+    sb = sub.add_parser("serve-bench", help="an export's latency (p50/p99), queries/s, held-out AUC/NE against the "
+                        "trained fp32 model's, and size")
+    sb.add_argument("export_dir", metavar="DIR", help="an export folder (freescale export)")
+    sb.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64, 256], help="requests of these many "
+                    "samples (default 1 16 64 256)")
+    sb.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
+    sb.add_argument("--json", default="", help="write the result as JSON here too")
     show = sub.add_parser("config", help="print the resolved config (or every key with its docs)")
     show.add_argument("--config", help="experiment YAML file")
     show.add_argument("--keys", action="store_true", help="list every key with its default and description")
@@ -222,10 +236,11 @@ def _simulate(args, cfg) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args, extra = _parser().parse_known_args(argv)
-    if args.command in ("report", "balance", "lighthouse"):
+    if args.command in ("report", "balance", "lighthouse", "export", "serve-bench"):
         if extra:
             _fail(f"unrecognized argument '{extra[0]}'")
-        {"report": _report, "balance": _balance, "lighthouse": _lighthouse}[args.command](args)
+        {"report": _report, "balance": _balance, "lighthouse": _lighthouse, "export": _export,
+         "serve-bench": _serve_bench}[args.command](args)
         return
     if args.command == "local":
         _local(args, extra)
@@ -253,6 +268,35 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     _train(cfg)
+
+
+def _export(args) -> None:
+    from freescale.data.readers import DataError
+    from freescale.serve.export import ExportError, export
+
+    try:
+        manifest = export(args.run_dir, args.out, step=args.step, quantize=args.quantize)
+    except (ExportError, DataError) as e:
+        _fail(str(e))
+    held = manifest["heldout"]
+    print(f"exported step {manifest['source']['step']} of {args.run_dir} ({manifest['quantize']}, "
+          f"{manifest['size_bytes'] / 2**20:.2f} MiB) to {args.out}; trained model's held-out AUC {held['auc']:.4f}, "
+          f"NE {held['ne']:.4f} over {held['samples']} samples")
+
+
+def _serve_bench(args) -> None:
+    from freescale.io import write_json_atomic
+    from freescale.serve.bench import bench, format_result
+    from freescale.serve.export import ExportError
+
+    try:
+        result = bench(args.export_dir, args.batch_sizes, threads=args.threads)
+    except ExportError as e:
+        _fail(str(e))
+    print(format_result(result))
+    if args.json:
+        write_json_atomic(args.json, result)
+        print(f"wrote {args.json}")
 
 
 def _lighthouse(args) -> None:

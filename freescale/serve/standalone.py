@@ -39,14 +39,14 @@ DENSE = "dense.pt2"
 
 
 def _padded(rows: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Jagged ``rows`` (samples' rows back to back) as [samples, width, dim], zeros after each length."""
+    """Jagged ``rows`` (samples' rows back to back) as [samples, width, dim]; what lies past a
+    sample's length is some other row (the dense program masks it out)."""
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long)
     torch.cumsum(lengths, 0, out=offsets[1:])
     pos = torch.arange(width)
     real = pos[None, :] < lengths[:, None]
     index = torch.where(real, offsets[:-1, None] + pos[None, :], torch.zeros_like(pos)[None, :])
-    out = rows[index] if rows.numel() else rows.new_zeros((lengths.numel(), width, rows.shape[-1]))
-    return torch.where(real[:, :, None], out, torch.zeros_like(out))
+    return rows[index] if rows.numel() else rows.new_zeros((lengths.numel(), width, rows.shape[-1]))
 
 
 class ExportedModel:
