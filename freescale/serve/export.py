@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,7 +94,9 @@ def read_trained(run_dir: str, step: int | None = None) -> Trained:
         raise ExportError(f"{path}: unreadable checkpoint ({type(e).__name__}: {str(e).splitlines()[0]})") from None
     wanted = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
               if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    dcp.load(wanted, checkpoint_id=path, no_dist=True)
+    with warnings.catch_warnings():  # "no process group: loading in one process" is what is meant
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(wanted, checkpoint_id=path, no_dist=True)
     tables, task = {}, {}
     for key, value in wanted.items():
         for name in (ITEM_TABLE, USER_TABLE):
