@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from helpers.launch import FAST, QUICKSTART, check, freescale, metrics, torchrun
+from helpers.launch import FAST, QUICKSTART, check, freescale
 
 pytestmark = pytest.mark.slow
 
@@ -15,18 +15,6 @@ def test_standalone_single_rank_run(tmp_path):
     assert "[r0/0 step 3] loss" in proc.stdout
     assert (run_dir / "config.yaml").exists() and (run_dir / "checkpoints" / "step_00000003").is_dir()
     assert json.loads((run_dir / "summary.json").read_text())["ranks"] == 1
-
-
-def test_quickstart_learns_on_two_ranks(tmp_path):
-    """A shortened quickstart: the loss falls and held-out AUC rises well above chance."""
-    run_dir = tmp_path / "learn"
-    check(torchrun(2, "train", "--config", str(QUICKSTART), "--train.steps=400", "--train.eval_every=400",
-                   "--checkpoint.every=0", "--checkpoint.at_end=false", f"--run.dir={run_dir}", timeout=600))
-    records = metrics(run_dir)
-    losses = [r["train/loss"] for r in records if "train/loss" in r]
-    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.02
-    auc = [r for r in records if "eval/auc" in r][-1]["eval/auc"]
-    assert auc > 0.6
 
 
 def test_a_failing_run_exits_1_with_one_line_and_the_traceback_in_its_log(tmp_path):
