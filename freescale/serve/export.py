@@ -56,6 +56,7 @@ class Trained:
     """A checkpoint's model, whole: its tables and the dense part's state."""
 
     cfg: ExperimentConfig
+    run_dir: str
     step: int
     checkpoint: str
     tables: dict[str, torch.Tensor]
@@ -108,7 +109,7 @@ def read_trained(run_dir: str, step: int | None = None) -> Trained:
         raise ExportError(f"{path}: no model in the checkpoint (expected the {ITEM_TABLE} table and the dense task)")
     if cfg.model.user_features and USER_TABLE not in tables:
         raise ExportError(f"{path}: model.user_features is on but the checkpoint has no {USER_TABLE}")
-    return Trained(cfg, step, path, tables, task)
+    return Trained(cfg, run_dir, step, path, tables, task)
 
 
 def trained_model(trained: Trained) -> SeqRecModel:
@@ -191,21 +192,35 @@ def export_dense(task: SeqRecTask, path: str) -> None:
 
 
 def export(run_dir: str, out: str, *, step: int | None = None, quantize: str = "int8") -> dict:
-    """Write the export folder ``out``; returns its manifest."""
+    """Write the export folder ``out`` of ``run_dir``'s checkpoint; returns its manifest."""
+    check_destination(out, quantize)
+    phases = bar(total=5, desc="export", unit="phase")
+    try:
+        phases.set_postfix_str("reading the checkpoint")
+        trained = read_trained(run_dir, step)
+        phases.update()
+        phases.set_postfix_str("evaluating the trained model")
+        model = trained_model(trained)
+        metrics = evaluate_trained(model, held_out(trained.cfg))
+        phases.update()
+        return write_export(trained, model.task, metrics, out, quantize, phases)
+    finally:
+        phases.close()
+
+
+def check_destination(out: str, quantize: str) -> None:
     if quantize not in QUANTIZATIONS:
         raise ExportError(f"--quantize: expected one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ExportError(f"--out {out} exists and is not an empty folder (choose another, or remove it)")
-    phases = bar(total=5, desc="export", unit="phase")
-    phases.set_postfix_str("reading the checkpoint")
-    trained = read_trained(run_dir, step)
-    cfg = trained.cfg
-    phases.update()
-    phases.set_postfix_str("evaluating the trained model")
-    model = trained_model(trained)
-    metrics = evaluate_trained(model, held_out(cfg))
-    phases.update()
 
+
+def write_export(trained: Trained, task: SeqRecTask, metrics: dict, out: str, quantize: str, phases=None) -> dict:
+    """The export folder of ``trained`` (its dense part loaded in ``task``; ``metrics``: the trained
+    model's held-out figures), written beside ``out`` and renamed into place."""
+    check_destination(out, quantize)
+    phases = phases if phases is not None else bar(total=3, desc="export", unit="phase")
+    cfg = trained.cfg
     parent = os.path.dirname(os.path.abspath(out)) or "."
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.", dir=parent)
@@ -215,7 +230,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, quantize: str = "
         torch.save(weights, os.path.join(tmp, standalone.TABLES))
         phases.update()
         phases.set_postfix_str("exporting the dense part")
-        export_dense(model.task, os.path.join(tmp, standalone.DENSE))
+        export_dense(task, os.path.join(tmp, standalone.DENSE))
         phases.update()
         shutil.copyfile(standalone.__file__, os.path.join(tmp, "serve.py"))
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
@@ -224,7 +239,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, quantize: str = "
         manifest = {
             "format": FORMAT,
             "quantize": quantize,
-            "source": {"run_dir": os.path.abspath(run_dir), "step": trained.step, "checkpoint": trained.checkpoint,
+            "source": {"run_dir": os.path.abspath(trained.run_dir), "step": trained.step, "checkpoint": trained.checkpoint,
                        "pipeline": cfg.train.pipeline},
             "tables": specs,
             "features": {"uih": UIH_FEATURE, "candidates": CANDIDATE_FEATURE, "user": USER_FEATURE},
@@ -249,6 +264,4 @@ def export(run_dir: str, out: str, *, step: int | None = None, quantize: str = "
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    finally:
-        phases.close()
     return manifest

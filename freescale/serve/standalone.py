@@ -38,15 +38,42 @@ TABLES = "tables.pt"
 DENSE = "dense.pt2"
 
 
-def _padded(rows: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
-    """Jagged ``rows`` (samples' rows back to back) as [samples, width, dim]; what lies past a
-    sample's length is some other row (the dense program masks it out)."""
-    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.long)
-    torch.cumsum(lengths, 0, out=offsets[1:])
+def _offsets(lengths: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros(lengths.numel() + 1, dtype=torch.long)
+    torch.cumsum(lengths, 0, out=out[1:])
+    return out
+
+
+def _padded(rows: torch.Tensor, lengths: torch.Tensor, width: int, samples: torch.Tensor | None = None) -> torch.Tensor:
+    """Jagged ``rows`` (samples' rows back to back, ``lengths`` each) as [samples, width, dim], of
+    the ``samples`` given (default: all); what lies past a sample's length is some other row (the
+    dense program masks it out)."""
+    offsets = _offsets(lengths)[:-1]
+    if samples is not None:
+        offsets, lengths = offsets[samples], lengths[samples]
     pos = torch.arange(width)
     real = pos[None, :] < lengths[:, None]
-    index = torch.where(real, offsets[:-1, None] + pos[None, :], torch.zeros_like(pos)[None, :])
+    index = torch.where(real, offsets[:, None] + pos[None, :], torch.zeros_like(pos)[None, :])
     return rows[index] if rows.numel() else rows.new_zeros((lengths.numel(), width, rows.shape[-1]))
+
+
+def length_groups(lengths: list[int], max_padding: float) -> list[list[int]]:
+    """Sample indices grouped so that ``len(group) * max(L) <= max_padding * sum(L)`` (greedy over
+    samples by decreasing length), as training groups them: padding every sample of a request
+    to its longest history would make each cost the longest one's."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, current, longest, total = [], [], 0, 0
+    for i in order:
+        if current and (len(current) + 1) * longest > max_padding * (total + lengths[i]):
+            groups.append(current)
+            current, total = [], 0
+        if not current:
+            longest = lengths[i]
+        current.append(i)
+        total += lengths[i]
+    if current:
+        groups.append(current)
+    return groups
 
 
 class ExportedModel:
@@ -66,6 +93,7 @@ class ExportedModel:
         self.features = m["features"]
         self.dim = m["embedding_dim"]
         self.user_features = m["user_features"]
+        self.max_padding = float(m["config"]["model"]["attention_padding"])
 
     @torch.no_grad()
     def predict(self, uih_ids: torch.Tensor, uih_lengths: torch.Tensor, cand_ids: torch.Tensor,
@@ -83,14 +111,23 @@ class ExportedModel:
         kjt = KeyedJaggedTensor.from_lengths_sync(keys=keys, values=torch.cat(values).long(),
                                                   lengths=torch.cat(lengths).int())
         rows = self.embeddings(kjt)
-        # The program was exported for padded widths of at least 2 (a width of 1 would be a
-        # special case to torch.export): histories and candidate lists are padded to that at least.
-        uih = _padded(rows[keys[0]].values(), uih_lengths, max(2, int(uih_lengths.max())))
-        cand = _padded(rows[keys[1]].values(), cand_counts, max(2, int(cand_counts.max())))
+        uih_rows, cand_rows = rows[keys[0]].values(), rows[keys[1]].values()
         user = rows[keys[2]].values() if self.user_features else torch.zeros(n, self.dim)
-        logits = self.dense(uih, uih_lengths.long(), cand, cand_counts.long(), user)
-        real = torch.arange(cand.shape[1])[None, :] < cand_counts[:, None]
-        return logits[real]
+        uih_lengths, cand_counts = uih_lengths.long(), cand_counts.long()
+        out = torch.empty(int(cand_counts.sum()))
+        cand_at = _offsets(cand_counts)[:-1]
+        # Samples of similar history lengths go through the program together, each group padded
+        # to its own longest (at least 2: the program was exported for widths of 2 and more).
+        for group in length_groups(uih_lengths.tolist(), self.max_padding):
+            samples = torch.tensor(group, dtype=torch.long)
+            lengths, counts = uih_lengths[samples], cand_counts[samples]
+            uih = _padded(uih_rows, uih_lengths, max(2, int(lengths.max())), samples)
+            cand = _padded(cand_rows, cand_counts, max(2, int(counts.max())), samples)
+            logits = self.dense(uih, lengths, cand, counts, user[samples])
+            pos = torch.arange(cand.shape[1])
+            real = pos[None, :] < counts[:, None]
+            out[(cand_at[samples][:, None] + pos[None, :])[real]] = logits[real]
+        return out
 
 
 def load(folder: str) -> ExportedModel:

@@ -1,5 +1,6 @@
 """The served dense part against the training forward, and its ``torch.export`` program."""
 
+import numpy as np
 import pytest
 import torch
 from torchrec.sparse.jagged_tensor import JaggedTensor
@@ -8,7 +9,7 @@ from freescale.config import ModelConfig
 from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.serve.dense import ServingDense
 from freescale.serve.export import export_dense
-from freescale.serve.standalone import _padded
+from freescale.serve.standalone import _padded, length_groups
 from freescale.model.seqrec import SeqRecTask
 
 TOLERANCE = 1e-5  # logits, padded (serving) against jagged (training)
@@ -68,3 +69,44 @@ def test_the_exported_program_takes_other_sizes_than_its_example(tmp_path):
             want = _training_logits(task, *inputs)
             got = _serving_logits(program, *inputs)
         assert float((got - want).abs().max()) <= TOLERANCE, (lengths, counts)
+
+
+def _in_memory_export(tmp_path, quantize="fp32"):
+    """An export of a freshly initialized model (no checkpoint), and the model it came from."""
+    from freescale.config import load_config
+    from freescale.serve.bench import load_export
+    from freescale.serve.export import Trained, trained_model, write_export
+    from helpers.launch import QUICKSTART
+
+    cfg = load_config(QUICKSTART, ["model.embedding_dim=16", "model.num_layers=1", "model.user_hash_size=50",
+                                   "data.max_uih_len=64", "model.mlp_dims=[8]"])
+    torch.manual_seed(3)
+    tables = {"item_table": torch.randn(40, 16) * 0.3, "user_table": torch.randn(50, 16) * 0.3}
+    task = SeqRecTask(cfg.model, cfg.data.max_uih_len)
+    trained = Trained(cfg, "(in memory)", 0, "", tables, task.state_dict())
+    model = trained_model(trained)
+    write_export(trained, model.task, {"samples": 0, "candidates": 0, "auc": 0.5, "ne": 1.0}, str(tmp_path / quantize),
+                 quantize)
+    return model, load_export(str(tmp_path / quantize))
+
+
+def test_an_export_serves_a_request_of_mixed_lengths_as_the_training_forward_does(tmp_path):
+    from freescale.data.batch import Batch, Samples
+
+    model, served = _in_memory_export(tmp_path)
+    g = np.random.default_rng(0)
+    # Heavy-tailed histories (and empty ones) in one request: the loader pads each length group apart.
+    lengths = np.array([60, 0, 3, 5, 2, 64, 1, 0, 7, 30, 4, 2])
+    counts = g.integers(1, 5, len(lengths))
+    samples = Samples(sample_ids=np.arange(len(lengths)), user_ids=g.integers(0, 1000, len(lengths)),
+                      uih_lengths=lengths, uih_values=g.integers(0, 40, int(lengths.sum())), cand_counts=counts,
+                      cand_values=g.integers(0, 40, int(counts.sum())), labels=np.zeros(int(counts.sum()), np.float32))
+    batch = Batch.from_samples(samples, 0, 50)
+    with torch.no_grad():
+        _, out = model(batch)
+    seq = batch.seq_features
+    got = served.predict(seq[seq.keys()[0]].values(), batch.uih_lengths, seq[seq.keys()[1]].values(),
+                         batch.cand_counts, batch.user_features.values())
+    assert got.shape == out.logits.shape
+    assert float((got - out.logits).abs().max()) <= TOLERANCE
+    assert len(length_groups(lengths.tolist(), served.max_padding)) > 1  # the request went through in several groups
