@@ -138,7 +138,10 @@ class StepTimeline:
     def begin_step(self, step: int) -> None:
         """``step`` is the number the step will have once done (1-based)."""
         if self._trace_steps and step == self._trace_steps[0]:
-            self._torch_profiler = torch.profiler.profile(record_shapes=False)
+            # Recording every step of the window; a schedule makes the profiler mark each step
+            # (ProfilerStep#N ranges, which trace tools such as HolisticTraceAnalysis key on).
+            self._torch_profiler = torch.profiler.profile(record_shapes=False,
+                                                          schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
             self._torch_profiler.__enter__()
         self._spans = []
         self._open = {}
@@ -173,6 +176,8 @@ class StepTimeline:
         else:
             self._pending.append((record, self._device_start, self._device_spans, self._clock.mark()))
             self._write_completed(wait=False)
+        if self._torch_profiler is not None:
+            self._torch_profiler.step()
         if self._torch_profiler is not None and step == self._trace_steps[1]:
             self._torch_profiler.__exit__(None, None, None)
             self._torch_profiler.export_chrome_trace(self._trace_path)
