@@ -110,3 +110,13 @@ def test_an_export_serves_a_request_of_mixed_lengths_as_the_training_forward_doe
     assert got.shape == out.logits.shape
     assert float((got - out.logits).abs().max()) <= TOLERANCE
     assert len(length_groups(lengths.tolist(), served.max_padding)) > 1  # the request went through in several groups
+
+
+def test_the_loader_groups_a_request_as_training_groups_a_batch():
+    from freescale.model.jagged_attention import group_by_length
+
+    g = np.random.default_rng(1)
+    for _ in range(200):
+        lengths = [int(x) for x in g.lognormal(3, 1.2, int(g.integers(1, 40)))]
+        padding = float(g.choice([1.0, 1.25, 2.0, 8.0]))
+        assert length_groups(lengths, padding) == group_by_length(lengths, padding), (lengths, padding)
