@@ -46,7 +46,11 @@ vote, and sends batch i+1's collision rows once the update is in.
 On CPU the exchanges run in the transport's threads (gloo's, or the ``host_staged`` proxy)
 while this rank's main thread computes; the timeline marks the waits: ``id_wait``,
 ``flags_wait``, ``exclusive_wait`` (a batch's rows, inside its forward at their first read; and
-deferred gradients) and ``collision_wait``, and records each step's collision rate.
+deferred gradients) and ``collision_wait``, and records each step's collision rate. On a GPU
+the tables live in device memory and the exchanges that are not waited for at once (batch
+i+1's exclusive and collision rows, batch i's deferred gradients: their lookups and sends) are
+issued on a side stream (``freescale.device.Streams``): it waits for the compute stream first,
+and the compute stream waits for it before reading what came back.
 """
 
 from __future__ import annotations
@@ -60,8 +64,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from freescale.device import Streams
 from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE, Batch
+from freescale.device import Streams
 from freescale.embedding.exchange import PendingRoute, Route, ShardedTables, counts_by
 from freescale.embedding.replicated import row_gradients
 from freescale.embedding.rows import in_rows, split_rows
