@@ -70,6 +70,13 @@ class StepWindow:
         self.losses.append(loss)
         self.samples += samples
 
+    def totals(self) -> torch.Tensor:
+        """[sum of the losses, steps, samples] in float64, on the losses' device (the run's: a
+        loss is read back only here, once per log line, and the sum is reduced where it is)."""
+        losses = torch.stack(self.losses)
+        counts = losses.new_tensor([float(len(self.losses)), float(self.samples)], dtype=torch.float64)
+        return torch.cat([losses.sum().double().reshape(1), counts])
+
 
 def train(cfg: ExperimentConfig, topology: Topology | None = None) -> dict:
     """Run (or resume) the experiment; returns the summary also written to summary.json."""
@@ -294,8 +301,7 @@ def _due(step: int, every: int, last: int) -> bool:
 def _log_progress(step: int, window: StepWindow, metrics: MetricsLog, log: logging.Logger,
                   group: dist.ProcessGroup) -> StepWindow:
     """Mean loss over the replica's ranks and the window's steps, global samples/s; starts a new window."""
-    totals = torch.stack([torch.stack(window.losses).sum(), torch.tensor(float(len(window.losses))),
-                          torch.tensor(float(window.samples))]).double()
+    totals = window.totals()
     dist.all_reduce(totals, group=group)
     elapsed = time.perf_counter() - window.started
     loss = (totals[0] / totals[1]).item()
