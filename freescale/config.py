@@ -187,7 +187,7 @@ class TrainConfig:
     eval_every: Annotated[int, NonNegative] = 0
     """Evaluate every this many steps (0 = only at the end)."""
     backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """torch.distributed backend: auto picks nccl on cuda, gloo on cpu."""
+    """torch.distributed backend: auto picks nccl on cuda, gloo on cpu (with nccl, gloo carries the host tensors: cpu:gloo,cuda:nccl)."""
     gc_every: Annotated[int, NonNegative] = 50
     """Run Python's garbage collector every this many steps on all ranks at once (0 = Python's own schedule)."""
     ledger: bool = False

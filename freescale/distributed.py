@@ -61,10 +61,21 @@ def resolve_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(device: torch.device, backend: str = "auto", timeout_s: float = 300.0) -> Topology:
-    """Initialize the default process group (idempotent) and return the topology."""
+def group_backend(device: torch.device, backend: str = "auto") -> str:
+    """The backend string a job's process group is made with: ``train.backend`` (``auto``: NCCL
+    on CUDA, gloo on CPU), with gloo beside NCCL for CPU tensors (``cpu:gloo,cuda:nccl``).
+
+    Some collectives of a GPU run carry host tensors by design (the held-out metrics' counts,
+    TorchRec's metric state, the replica layer's group check, the pipelines' routes); a group
+    made with NCCL alone refuses them ("No backend type associated with device type cpu")."""
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def init_distributed(device: torch.device, backend: str = "auto", timeout_s: float = 300.0) -> Topology:
+    """Initialize the default process group (idempotent) and return the topology."""
+    backend = group_backend(device, backend)
     if not dist.is_initialized():
         timeout = datetime.timedelta(seconds=timeout_s)
         if env.launched_by_torchrun():
@@ -104,7 +115,7 @@ def all_gather_object(obj, group: dist.ProcessGroup) -> list:
 
 def new_group_like(group: dist.ProcessGroup, backend: str = "gloo") -> dist.ProcessGroup:
     """A new group over the same ranks as ``group`` (only those ranks take part in making it):
-    gloo, or ``backend`` ("same": ``group``'s own, NCCL on a GPU run)."""
+    gloo, or ``backend`` ("same": ``group``'s own, NCCL beside gloo on a GPU run)."""
     ranks = dist.get_process_group_ranks(group)
     if backend == "same":
         backend = dist.get_backend(group)

@@ -132,22 +132,20 @@ def verify(cfg: ExperimentConfig, steps: int, log=print) -> Verdict:
     distributed.set_threads(cfg.run.threads, topo.local_world_size)
     inputs = read_inputs(cfg)
     runs = {mode: _run(cfg, mode, steps, topo, inputs, log, device) for mode in MODES}
-    # The verdict's collectives go where the group's backend takes them (NCCL: the device).
-    on = device if dist.get_backend(topo.pg) == "nccl" else torch.device("cpu")
+    # The verdict's collectives carry host tensors (every group has a CPU backend: group_backend).
     (ref_losses, ref_state, _), (got_losses, got_state, rates) = runs["sync"], runs["prioritized"]
 
     local, state_diffs, equal = compare(ref_losses, got_losses, ref_state, got_state)
     kinds = list(state_diffs)
     diffs = [state_diffs[k] for k in kinds]
     verdict = torch.cat([torch.tensor(local, dtype=torch.float64), torch.tensor(diffs, dtype=torch.float64),
-                         torch.tensor([0.0 if equal else 1.0], dtype=torch.float64)]).to(on)
+                         torch.tensor([0.0 if equal else 1.0], dtype=torch.float64)])
     dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=topo.pg)
-    sums = torch.tensor([ref_losses, got_losses], dtype=torch.float64, device=on)
+    sums = torch.tensor([ref_losses, got_losses], dtype=torch.float64)
     dist.all_reduce(sums, group=topo.pg)
     sums /= topo.world_size
-    rate = torch.tensor([sum(rates), float(len(rates))], dtype=torch.float64, device=on)
+    rate = torch.tensor([sum(rates), float(len(rates))], dtype=torch.float64)
     dist.all_reduce(rate, group=topo.pg)
-    verdict, sums, rate = verdict.cpu(), sums.cpu(), rate.cpu()
     n = len(ref_losses)
     return Verdict(
         steps=steps,
