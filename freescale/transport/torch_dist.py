@@ -1,11 +1,20 @@
 """The reference transport: ``torch.distributed`` collectives (gloo on CPU, NCCL on CUDA).
 
-A waiter waits for the work in slices of ``_SLICE`` and looks at the failure latch between
-them, so that ``abort()`` releases every waiter within a slice: gloo's own ``abort()`` does
-not end a pending collective (it ends when the peer's connection does), and a work's
-future, the other way to wait without blocking, is not used since holding one makes gloo
-processes abort at exit now and then. The process group is the caller's and is left as it
-is; an aborted collective may still complete in gloo's threads, unseen.
+How a waiter waits depends on the backend that runs the work:
+
+- gloo: in slices of ``_SLICE``, looking at the failure latch between them, so that
+  ``abort()`` releases every waiter within a slice: gloo's own ``abort()`` does not end a
+  pending collective (it ends when the peer's connection does). gloo's ``wait(timeout)`` only
+  stops waiting when the time is up. A work's future, the other way to wait without blocking,
+  is not used since holding one makes gloo processes abort at exit now and then.
+- NCCL: one ``wait()`` without a timeout, which blocks no host thread: it makes the current
+  stream wait for the collective. NCCL's ``wait(timeout)`` measures the timeout from when the
+  work was *enqueued* and, once it has passed, aborts the communicator and raises; the
+  prioritized pipeline waits for its early exchanges a step after issuing them by design, so a
+  sliced wait there would kill the lane at its first such wait.
+
+The process group is the caller's and is left as it is; an aborted collective may still
+complete in gloo's threads, unseen.
 """
 
 from __future__ import annotations
@@ -24,12 +33,23 @@ from freescale.transport.base import NORMAL, TransportError, check_all_gather, c
 _SLICE = datetime.timedelta(milliseconds=10)  # how long a waiter waits before it looks at the latch again
 
 
+def sliced_wait_is_safe(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether a wait with a timeout on ``group``'s work over tensors on ``device`` only stops
+    waiting (gloo), rather than aborting the communicator (NCCL; any backend not known to be
+    safe is waited for without a timeout)."""
+    try:
+        return group._get_backend(torch.device(device.type)).name() == "gloo"
+    except RuntimeError:  # no backend for that device
+        return False
+
+
 class _WorkHandle:
-    def __init__(self, transport: "TorchDistTransport", op: str, work, finish) -> None:
+    def __init__(self, transport: "TorchDistTransport", op: str, work, finish, sliced: bool = True) -> None:
         self.transport = transport
         self.op = op
         self.work = work
         self.finish = finish
+        self.sliced = sliced  # wait in slices (gloo), or once without a timeout (NCCL)
         self.error: BaseException | None = None
         self._settle = threading.Lock()
 
@@ -40,16 +60,22 @@ class _WorkHandle:
     def completed(self) -> bool:
         return self.error is not None or self.work.is_completed()
 
+    def _wait_once(self) -> None:
+        if self.sliced:
+            self.work.wait(_SLICE)
+        else:
+            self.work.wait()  # NCCL: the current stream waits for the collective, no host thread does
+
     def wait(self) -> torch.Tensor:
         while self.error is None:
             try:
-                self.work.wait(_SLICE)
+                self._wait_once()
                 break
             except RuntimeError:
-                if not self.work.is_completed():
+                if self.sliced and not self.work.is_completed():
                     continue  # the slice ran out: look at the latch, wait on
             try:  # completed, maybe just after the slice ran out: a second wait tells how
-                self.work.wait(_SLICE)
+                self._wait_once()
                 break
             except RuntimeError as e:
                 first = first_line(e)
@@ -75,6 +101,7 @@ class TorchDistTransport:
         self._lock = threading.Lock()
         self._pending: weakref.WeakSet[_WorkHandle] = weakref.WeakSet()  # issued, not yet waited for
         self._cause: str | None = None  # why the transport failed, once it has
+        self._waits: dict = {}  # (group, device type) -> whether its work is waited for in slices
 
     def all_to_all_single(self, tensor: torch.Tensor, input_splits, output_splits, lane: int = NORMAL):
         tensor, ins, outs = check_all_to_all(self.name, self.rank, self.world_size, tensor, input_splits, output_splits)
@@ -83,7 +110,7 @@ class TorchDistTransport:
         out = tensor.new_empty((sum(outs), *tensor.shape[1:]))
         work = dist.all_to_all_single(out, tensor, output_split_sizes=outs, input_split_sizes=ins,
                                       group=group, async_op=True)
-        return self._track(_WorkHandle(self, "all_to_all_single", work, lambda: out))
+        return self._track(_WorkHandle(self, "all_to_all_single", work, lambda: out, self._sliced(group, tensor)))
 
     def all_gather(self, tensor: torch.Tensor, sizes=None):
         tensor, sizes = check_all_gather(self.name, self.rank, self.world_size, tensor, sizes)
@@ -93,7 +120,14 @@ class TorchDistTransport:
         padded[: tensor.shape[0]] = tensor
         parts = [torch.empty_like(padded) for _ in range(self.world_size)]
         work = dist.all_gather(parts, padded, group=self.group, async_op=True)
-        return self._track(_WorkHandle(self, "all_gather", work, lambda: torch.cat([p[:n] for p, n in zip(parts, sizes)])))
+        return self._track(_WorkHandle(self, "all_gather", work, lambda: torch.cat([p[:n] for p, n in zip(parts, sizes)]),
+                                       self._sliced(self.group, tensor)))
+
+    def _sliced(self, group: dist.ProcessGroup, tensor: torch.Tensor) -> bool:
+        key = (group, tensor.device.type)
+        if key not in self._waits:
+            self._waits[key] = sliced_wait_is_safe(group, tensor.device)
+        return self._waits[key]
 
     def errored(self) -> Exception | None:
         return None if self._cause is None else TransportError(f"torch_dist: {self._cause}")
