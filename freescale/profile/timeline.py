@@ -25,8 +25,9 @@ is issued to (the compute stream; the pipelines' side stream for ``exclusive_sen
 ``device_step`` (first to last event) and ``device_compute``: the device time inside
 ``forward``, ``backward`` and ``optimizer`` less the waits nested in them (``WAIT_KINDS``).
 The bubble decomposition then takes compute from the device, not from the host thread, whose
-CPU time on a GPU is mostly launching kernels. A step's record is written once its last event
-has completed (asked with ``query()``, never waited for), and every record at the end.
+CPU time on a GPU is mostly launching kernels. A step's record is written once every event in
+it has completed, the side stream's included (asked with ``query()``, never waited for), and
+every record at the end.
 
 Compute is measured, not inferred from spans: on CPU a rank's kernels run on its main thread
 (``run.threads: 1``, what torchrun gives each rank by default) and a rank blocked in a gloo
@@ -231,9 +232,14 @@ class StepTimeline:
         for the device, when ``wait``)."""
         while self._pending:
             record, first, spans, last = self._pending[0]
+            # Every event of the record, not only the compute stream's last: the side stream's
+            # spans (``device_span``) may end after it, and ``elapsed_time`` refuses an event
+            # that has not completed.
+            events = [first, last, *(e for _, e0, e1 in spans for e in (e0, e1))]
             if wait:
-                last.synchronize()
-            elif not last.query():
+                for event in events:
+                    event.synchronize()
+            elif not all(event.query() for event in events):
                 return
             self._pending.pop(0)
             at = lambda event: record["start"] + first.elapsed_time(event) / 1000.0  # noqa: E731
