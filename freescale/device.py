@@ -32,6 +32,26 @@ def accelerated(device: torch.device | str) -> bool:
     return torch.device(device).type != "cpu"
 
 
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without making the host wait.
+
+    On an accelerator: copied from pinned memory (pinned first if it is not) with a
+    non-blocking copy on the current stream. A copy from pageable memory makes the host wait
+    until the copy is done, and with it every kernel queued before it (``memcpy_and_sync``);
+    pinned blocks are reused only once their copy has completed (the caching host allocator
+    records an event for it). On CPU: an alias of the tensor (the same memory, a tensor of its
+    own), which is what the sync counter of the tests (``tests/helpers/syncs.py``) reads as "on
+    the device"; nothing is copied.
+    """
+    if not accelerated(device):
+        return torch.ops.aten.alias(tensor)
+    if tensor.device.type != "cpu":
+        return tensor.to(device, non_blocking=True)
+    if not tensor.is_pinned():
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
+
+
 class Streams:
     """Side streams on ``device``; on CPU every call does nothing (``module`` lets a test record them)."""
 

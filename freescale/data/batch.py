@@ -4,6 +4,11 @@ Samples are kept in numpy as ``Samples`` (what sources produce and what the bala
 move between ranks) and turned into a ``Batch`` of tensors for the model. The sparse
 features are TorchRec ``KeyedJaggedTensor``s so that ``TrainPipelineSparseDist`` can start
 their input distribution ahead of the forward pass.
+
+A batch's shape (history lengths, candidate counts), its sample ids and its index stay in host
+memory when the batch moves to a device (``HOST_FIELDS``): everything whose value decides a
+size or an index is computed from them on the host (the attention's groups, the pipelines'
+routes), so the host never waits for the device to learn a number.
 """
 
 from __future__ import annotations
@@ -15,12 +20,14 @@ import torch
 from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
-UIH_FEATURE = "uih_item"
-"""Sequence feature: the item ids of each sample's user interaction history."""
-CANDIDATE_FEATURE = "cand_item"
-"""Sequence feature: the item ids of each sample's candidates (same table as the UIH)."""
-USER_FEATURE = "user_id"
-"""Pooled feature: the hashed user id."""
+from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
+from freescale.device import accelerated, to_device
+
+HOST_FIELDS = ("uih_lengths", "cand_counts", "sample_ids", "batch_index")
+"""The fields that stay on the host when a batch moves to a device."""
+SPARSE_FIELDS = ("seq_features", "user_features")
+"""The ids: the device's for TorchRec's tables; the pipelines over FreeScale's own tables route
+them from the host and leave them there."""
 
 
 @dataclass
@@ -117,15 +124,34 @@ class Batch(Pipelineable):
     def __len__(self) -> int:
         return self.sample_ids.numel()
 
-    def _map(self, fn) -> "Batch":
-        return Batch(**{name: fn(getattr(self, name)) for name in self.__dataclass_fields__})
+    def _map(self, fn, names) -> "Batch":
+        return Batch(**{name: fn(value) if name in names else value
+                        for name, value in ((n, getattr(self, n)) for n in self.__dataclass_fields__)})
 
-    def to(self, device: torch.device, non_blocking: bool = False) -> "Batch":
-        return self._map(lambda t: t.to(device=device, non_blocking=non_blocking))
+    def to(self, device: torch.device, non_blocking: bool = False, sparse: bool = True) -> "Batch":
+        """The batch with what the device computes on moved there (``HOST_FIELDS`` stay; with
+        ``sparse=False`` the ids stay too). On an accelerator the copies are always
+        non-blocking, from pinned memory (``freescale.device.to_device``), whatever
+        ``non_blocking`` says: they are ordered on the current stream like any kernel."""
+        names = set(self.__dataclass_fields__) - set(HOST_FIELDS) - (set() if sparse else set(SPARSE_FIELDS))
+        return self._map(lambda value: _to(value, device), names)
 
     def record_stream(self, stream) -> None:
-        for name in self.__dataclass_fields__:
-            getattr(self, name).record_stream(stream)
+        for name in set(self.__dataclass_fields__) - set(HOST_FIELDS):
+            value = getattr(self, name)
+            if (value.device if isinstance(value, torch.Tensor) else value.device()).type != "cpu":
+                value.record_stream(stream)
 
-    def pin_memory(self) -> "Batch":
-        return self._map(lambda t: t.pin_memory())
+
+
+def _to(value, device: torch.device):
+    """A tensor or ``KeyedJaggedTensor`` on ``device`` (see ``Batch.to``)."""
+    if isinstance(value, torch.Tensor):
+        return to_device(value, device)
+    if not accelerated(device):
+        return value
+    # (A KeyedJaggedTensor has no pin_memory: its tensors move one by one, its host-side
+    # per-key lengths and offsets with it.)
+    return KeyedJaggedTensor(keys=value.keys(), values=to_device(value.values(), device),
+                             lengths=to_device(value.lengths(), device), stride=value.stride(),
+                             length_per_key=value.length_per_key(), offset_per_key=value.offset_per_key())

@@ -19,6 +19,12 @@ accumulate, as in one training step).
 An id travels as its owner's local row (``Route``): the sender orders its ids owner-major
 (stable), sends each owner its share, and keeps the order to put the rows it gets back in
 its batch's order.
+
+Routing happens on the host: a batch's ids come from the loader in host memory, and the
+owners, the order, the counts and the ids each owner receives are computed and exchanged
+there (host tensors, which every transport moves without staging). Only what the device
+computes with (the owners' ids to look up, the orders that sort rows and gradients) is copied
+to it, without waiting; a count never has to be read back from the device.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.device_mesh import DeviceMesh
 
+from freescale.device import to_device
 from freescale.ft.rows import kernel_blocks
 from freescale.transport.base import NORMAL
 
@@ -48,7 +55,8 @@ INIT_CHUNK = 1 << 16  # rows drawn from one seed at initialization
 
 
 class Route(NamedTuple):
-    """One batch's ids as the exchange moved them."""
+    """One batch's ids as the exchange moved them: host tensors, and the device's copies of what
+    the device computes with."""
 
     order: torch.Tensor
     """Positions of the batch's ids, owner-major: ``ids_in_batch[order]`` is what was sent."""
@@ -60,14 +68,20 @@ class Route(NamedTuple):
     """Ids this rank received from each rank (as their owner)."""
     ids: torch.Tensor
     """Local rows this rank owns that the senders asked for, shard-major (by sender, then in its order)."""
+    device_ids: torch.Tensor
+    """``ids`` on the tables' device (what lookups and updates take)."""
+    device_order: torch.Tensor
+    """``order`` on the tables' device."""
+    device_back: torch.Tensor
+    """The inverse of ``order`` on the tables' device: owner-major rows back in the batch's order."""
 
     def to_owner(self, rows_in_batch: torch.Tensor) -> torch.Tensor:
         """Rows in the batch's order, owner-major (as the ids were sent)."""
-        return rows_in_batch.index_select(0, self.order)
+        return rows_in_batch.index_select(0, self.device_order)
 
     def to_batch(self, rows_owner_major: torch.Tensor) -> torch.Tensor:
         """Rows in owner-major order back in the batch's order (a gather: faster than a scatter)."""
-        return rows_owner_major.index_select(0, torch.argsort(self.order))
+        return rows_owner_major.index_select(0, self.device_back)
 
 
 def placement(device: torch.device) -> tuple[EmbeddingLocation, ComputeDevice]:
@@ -81,7 +95,7 @@ def placement(device: torch.device) -> tuple[EmbeddingLocation, ComputeDevice]:
 
 
 def counts_by(keys: torch.Tensor, world_size: int) -> list[int]:
-    """How many of the (sorted or not) owner indices ``keys`` fall on each rank."""
+    """How many of the (sorted or not) owner indices ``keys`` (a host tensor) fall on each rank."""
     return torch.bincount(keys, minlength=world_size).tolist()
 
 
@@ -103,8 +117,9 @@ class ShardedTables(nn.Module):
         # Rows of each table on each rank, and where each table's block starts in a rank's local table.
         self.local_rows = [[max(0, min(n, (r + 1) * b) - r * b) for n, b in zip(self.rows, self.blocks)]
                            for r in range(world_size)]
+        # [world, tables], on the host (routing happens there)
         self.local_starts = torch.tensor([[sum(per_rank[:t]) for t in range(len(self.rows))] for per_rank in self.local_rows],
-                                         dtype=torch.int64, device=self.device)  # [world, tables]
+                                         dtype=torch.int64)
         local_total = max(1, sum(self.local_rows[rank]))  # fbgemm wants a row; an empty shard is never read
         self.kernel = SplitTableBatchedEmbeddingBagsCodegen(
             [(local_total, dim, *placement(self.device))],
@@ -147,7 +162,7 @@ class ShardedTables(nn.Module):
         return kernel_blocks(self.kernel)[0]
 
     def locate(self, table: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(owner rank, owner's local row) of global rows ``ids`` of table ``table``."""
+        """(owner rank, owner's local row) of global rows ``ids`` (host) of table ``table``."""
         owners = torch.div(ids, self.blocks[table], rounding_mode="floor")
         return owners, ids - owners * self.blocks[table] + self.local_starts[owners, table]
 
@@ -155,21 +170,23 @@ class ShardedTables(nn.Module):
 
     def route(self, transport, segments: Sequence[tuple[int, torch.Tensor]], lane: int = NORMAL) -> "PendingRoute":
         """Start sending each owner the ids it holds; ``segments`` are (table, global ids) in
-        the batch's order. The counts go first (small), then the ids."""
+        the batch's order, host tensors. The counts go first (small), then the ids."""
         located = [self.locate(t, ids) for t, ids in segments]
-        none = torch.zeros(0, dtype=torch.int64, device=self.device)
+        none = torch.zeros(0, dtype=torch.int64)
         owners = torch.cat([o for o, _ in located]) if located else none
         local = torch.cat([lr for _, lr in located]) if located else none
         owners_sorted, order = torch.sort(owners, stable=True)
         send_counts = counts_by(owners_sorted, self.world_size)
-        counts = transport.all_to_all_single(torch.tensor(send_counts, dtype=torch.int64, device=self.device),
-                                             [1] * self.world_size,
+        counts = transport.all_to_all_single(torch.tensor(send_counts, dtype=torch.int64), [1] * self.world_size,
                                              [1] * self.world_size, lane=lane)
-        return PendingRoute(transport, lane, order, owners_sorted, send_counts, local[order], counts)
+        return PendingRoute(transport, lane, order, owners_sorted, send_counts, local[order], counts, self.device)
 
     def lookup(self, ids: torch.Tensor, track: bool = False) -> torch.Tensor:
-        """Local rows ``ids``; with ``track``, the result's backward (``update_looked_up``)
-        applies the fused optimizer to those rows without looking them up again."""
+        """Local rows ``ids`` (on the tables' device); with ``track``, the result's backward
+        (``update_looked_up``) applies the fused optimizer to those rows without looking them up
+        again. No ids: no kernel (fbgemm's CUDA kernels are not launched over nothing)."""
+        if not ids.numel():
+            return torch.zeros((0, self.dim), dtype=torch.float32, device=ids.device)
         offsets = torch.arange(ids.numel() + 1, dtype=torch.int64, device=ids.device)
         if track:
             with torch.enable_grad():
@@ -226,7 +243,7 @@ class ShardedTables(nn.Module):
 class PendingRoute:
     """A route whose counts are on their way; ``send()`` issues the ids, ``wait()`` gives the ``Route``."""
 
-    def __init__(self, transport, lane, order, owners, send_counts, local_sorted, counts) -> None:
+    def __init__(self, transport, lane, order, owners, send_counts, local_sorted, counts, device) -> None:
         self.transport = transport
         self.lane = lane
         self.order = order
@@ -234,6 +251,7 @@ class PendingRoute:
         self.send_counts = send_counts
         self.local_sorted = local_sorted
         self.counts = counts
+        self.device = device
         self.recv_counts: list[int] | None = None
         self.ids = None
 
@@ -246,4 +264,7 @@ class PendingRoute:
 
     def wait(self) -> Route:
         self.send()
-        return Route(self.order, self.owners, self.send_counts, self.recv_counts, self.ids.wait())
+        ids = self.ids.wait()
+        return Route(self.order, self.owners, self.send_counts, self.recv_counts, ids,
+                     device_ids=to_device(ids, self.device), device_order=to_device(self.order, self.device),
+                     device_back=to_device(torch.argsort(self.order), self.device))

@@ -50,7 +50,16 @@ deferred gradients) and ``collision_wait``, and records each step's collision ra
 the tables live in device memory and the exchanges that are not waited for at once (batch
 i+1's exclusive and collision rows, batch i's deferred gradients: their lookups and sends) are
 issued on a side stream (``freescale.device.Streams``): it waits for the compute stream first,
-and the compute stream waits for it before reading what came back.
+and the compute stream waits for it before reading what came back; ``drain`` leaves the compute
+stream after the side stream's last table update (the exclusive rows' lookups run there, so
+their backward, which applies the deferred updates in place, runs there too).
+
+The host never waits for the device inside a step: the ids are routed on the host
+(``exchange``), the collision split, the flags and every count and mask are host tensors,
+and what the device needs of them (the positions a mask selects) is copied to it without
+waiting. Between the start of batch i's forward and the issue of its backward (batch i+1's
+exclusive rows sent in between) nothing reads a value back from the device
+(``tests/dist/test_sync_budget.py`` counts it).
 """
 
 from __future__ import annotations
@@ -62,10 +71,9 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torchrec.sparse.jagged_tensor import JaggedTensor
 
-from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE, Batch
-from freescale.device import Streams
+from freescale.data.batch import Batch
+from freescale.device import Streams, to_device
 from freescale.embedding.exchange import PendingRoute, Route, ShardedTables, counts_by
 from freescale.embedding.replicated import row_gradients
 from freescale.embedding.rows import in_rows, split_rows
@@ -84,7 +92,8 @@ class OwnedModel(nn.Module):
         self.user_features = user_features
 
     def segments(self, batch: Batch) -> list[tuple[int, torch.Tensor]]:
-        """(table, global ids) of the batch in the order its rows are used: UIH and candidates, users."""
+        """(table, global ids) of the batch in the order its rows are used: UIH and candidates,
+        users (host tensors: the batch's ids stay on the host)."""
         segs = [(0, batch.seq_features.values())]
         if self.user_features:
             segs.append((1, batch.user_features.values()))
@@ -92,13 +101,11 @@ class OwnedModel(nn.Module):
 
     def dense(self, batch: Batch, rows: torch.Tensor):
         """(loss, StepOutput) from the batch's rows in ``segments`` order."""
-        n_uih = int(batch.uih_lengths.sum())
+        n_uih = int(batch.uih_lengths.sum())  # (host tensors: no wait)
         n_items = batch.seq_features.values().numel()
-        seq = {UIH_FEATURE: JaggedTensor(values=rows[:n_uih], lengths=batch.uih_lengths),
-               CANDIDATE_FEATURE: JaggedTensor(values=rows[n_uih:n_items], lengths=batch.cand_counts)}
-        user = {USER_FEATURE: rows[n_items:]} if self.user_features else None
-        return self.task(seq, user, batch.uih_lengths, batch.cand_counts, batch.labels, batch.sample_ids,
-                         batch.batch_index, batch.loss_scale)
+        user = rows[n_items:] if self.user_features else None
+        return self.task(rows[:n_uih], rows[n_uih:n_items], user, batch.uih_lengths, batch.cand_counts, batch.labels,
+                         batch.sample_ids, batch.batch_index, batch.loss_scale)
 
     # Checkpoints: the dense part as usual, the tables as row-sharded DTensors.
 
@@ -155,11 +162,12 @@ class _Staged:
     route: Route | None = None
     rows: torch.Tensor | None = None  # the batch's rows in batch order, once assembled
     # The owner's tracked lookup of rows asked for (its backward updates them), and which of
-    # the ids received (shard-major) it leaves out (None: none), looked up again when updated.
+    # the ids received (shard-major) it leaves out (a host mask; None: none), looked up again
+    # when updated.
     looked_up: torch.Tensor | None = None
     left_out: torch.Tensor | None = None
     # Set when the previous batch is known: which of this batch's ids (owner-major, as sent) and
-    # of the ids it received (shard-major, as owner) are collision rows.
+    # of the ids it received (shard-major, as owner) are collision rows (host masks).
     sent_collide: torch.Tensor | None = None
     owned_collide: torch.Tensor | None = None
     # The rows on their way: the exclusive rows (sent early) and the collision rows (sent after
@@ -180,7 +188,7 @@ class _Deferred:
     def __init__(self, handle, staged: _Staged, positions: torch.Tensor | None) -> None:
         self.handle = handle
         self.staged = staged
-        self.positions = positions  # where the gradients go among the ids received (None: all, in order)
+        self.positions = positions  # where the gradients go among the ids received (on the device; None: all, in order)
 
 
 class OwnedTablesPipeline:
@@ -218,15 +226,15 @@ class OwnedTablesPipeline:
         with self.timeline.span("optimizer"):
             dense.wait()
         with self.timeline.span("vote"):
-            self.vote = self.replica.finish(plan, row_gradients(plan, ids.cpu(), got.cpu()))
+            self.vote = self.replica.finish(plan, row_gradients(plan, ids, got.cpu()))
         return self.vote.trained
 
     def _stage(self, batch: Batch | None, wait: bool = True) -> _Staged | None:
+        """Start routing ``batch``'s ids (from the host) and move what the dense part reads to the device."""
         if batch is None:
             return None
-        if self.streams.enabled:
-            batch = batch.to(self.device, non_blocking=True)
-        staged = _Staged(batch, self.tables.route(self.transport, self.model.segments(batch)))
+        pending = self.tables.route(self.transport, self.model.segments(batch))
+        staged = _Staged(batch.to(self.device, sparse=False), pending)
         if wait:
             with self.timeline.span("id_wait"):
                 staged.wait_route()
@@ -235,7 +243,7 @@ class OwnedTablesPipeline:
     def _lookup_all(self, staged: _Staged, track: bool = False) -> torch.Tensor:
         """The batch's rows, every one looked up now (the sync path, the first batch, evaluation)."""
         route = staged.wait_route()
-        looked_up = self.tables.lookup(route.ids, track=track)
+        looked_up = self.tables.lookup(route.device_ids, track=track)
         staged.looked_up, staged.left_out = (looked_up if track else None), None
         staged.exclusive = staged.collision = None
         with self.timeline.span("exclusive_wait"):
@@ -268,6 +276,14 @@ class OwnedTablesPipeline:
 
     def drain(self) -> None:
         """Apply every deferred update: the tables then hold what synchronous training would."""
+
+    def _on_device(self, host: torch.Tensor) -> torch.Tensor:
+        return to_device(host, self.device)
+
+    def _at(self, mask: torch.Tensor) -> torch.Tensor:
+        """The positions host ``mask`` selects, on the device (a mask applied on the device would
+        make the host wait to learn how many there are)."""
+        return self._on_device(_positions(mask))
 
     @contextmanager
     def evaluating(self):
@@ -302,7 +318,7 @@ class SyncEmbeddingPipeline(OwnedTablesPipeline):
         if not replica.enabled:
             self.tables.update_looked_up(staged.looked_up, got)
             self._dense_step(dense)
-        elif not self._commit(replica.exchange_rows(torch.unique(route.ids).cpu(), batch), route.ids, got, dense):
+        elif not self._commit(replica.exchange_rows(torch.unique(route.ids), batch), route.ids, got, dense):
             self._replay = batch
         return out
 
@@ -348,9 +364,9 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
             # forward), before anything reads those rows: the lookup below is the step's first read.
             self._apply_deferred()
             if replica.enabled:  # the rows every group's batch i writes
-                plan = replica.exchange_rows(torch.unique(cur.route.ids).cpu(), cur.batch)
+                plan = replica.exchange_rows(torch.unique(cur.route.ids), cur.batch)
                 if nxt is not None:
-                    flags = self._split(cur, nxt, plan.rows(0).to(self.device))
+                    flags = self._split(cur, nxt, plan.rows(0))
             if nxt is not None:
                 # Batch i+1's exclusive rows (final: batch i does not write them) sent now,
                 # waited for at batch i+1's first read.
@@ -379,7 +395,8 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         # Collision gradients first; then the rest of batch i's gradients, deferred.
         hot = cur.sent_collide
         collision = self.transport.all_to_all_single(
-            _take(sent, hot), _per_owner(route, hot), _per_rank(route.recv_counts, cur.owned_collide), lane=HIGH)
+            sent.index_select(0, self._at(hot)), _per_owner(route, hot), _per_rank(route.recv_counts, cur.owned_collide),
+            lane=HIGH)
         if replica.enabled:
             deferred = self._send_deferred(cur, sent)
             with self.timeline.span("collision_wait"):
@@ -387,7 +404,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
             return self._finish_replicated(out, plan, self._all_gradients(cur, hot_got, deferred), dense, after)
         with self.timeline.span("collision_wait"):
             got = collision.wait()
-        tables.update(_take(route.ids, cur.owned_collide), got)
+        tables.update(self._on_device(_take(route.ids, cur.owned_collide)), got)
         # The owners send batch i+1's collision rows, now updated; then the deferred gradients
         # (after: nothing large competes with the collision exchange for the wire or the CPU).
         self._send_collision_rows(nxt)
@@ -468,9 +485,8 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         ins, outs = _per_rank(route.recv_counts, cold), _per_owner(nxt.route, ~nxt.sent_collide)
         # On the side stream, after this step's deferred update (on the compute stream):
         with self.streams.on(self.side), self.timeline.device_span("exclusive_send", self.side):
-            for t in (route.ids, cold):
-                self.streams.hand_over(t, self.side)
-            ids = route.ids if every else _take(route.ids, cold)
+            self.streams.hand_over(route.device_ids, self.side)
+            ids = route.device_ids if every else self._on_device(_take(route.ids, cold))
             nxt.looked_up = self.tables.lookup(ids, track=not self.replica.enabled)
             nxt.exclusive = self.transport.all_to_all_single(nxt.looked_up.detach(), ins, outs, lane=NORMAL)
         nxt.left_out = None if every else nxt.owned_collide
@@ -483,10 +499,8 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         ins, outs = _per_rank(nxt.route.recv_counts, hot), _per_owner(nxt.route, nxt.sent_collide)
         # On the side stream, after batch i's update (on the compute stream):
         with self.streams.on(self.side), self.timeline.device_span("collision_send", self.side):
-            for t in (nxt.route.ids, hot):
-                self.streams.hand_over(t, self.side)
-            nxt.collision = self.transport.all_to_all_single(self.tables.lookup(_take(nxt.route.ids, hot)), ins, outs,
-                                                             lane=HIGH)
+            rows = self.tables.lookup(self._on_device(_take(nxt.route.ids, hot)))
+            nxt.collision = self.transport.all_to_all_single(rows, ins, outs, lane=HIGH)
 
     def _rows(self, staged: _Staged) -> torch.Tensor:
         """The batch's rows in batch order: the exclusive and the collision rows, waited for now."""
@@ -500,8 +514,8 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
                 owner_major = cold
             else:
                 owner_major = cold.new_empty((len(hot_at), cold.shape[1]))
-                owner_major.index_copy_(0, (~hot_at).nonzero().squeeze(1), cold)
-                owner_major.index_copy_(0, hot_at.nonzero().squeeze(1), hot)
+                owner_major.index_copy_(0, self._at(~hot_at), cold)
+                owner_major.index_copy_(0, self._at(hot_at), hot)
             staged.rows = staged.route.to_batch(owner_major)
             staged.exclusive = staged.collision = None
         return staged.rows
@@ -514,16 +528,16 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         if staged.left_out is None:
             self.tables.update_looked_up(staged.looked_up, got)
             return
-        self.tables.update_looked_up(staged.looked_up, _take(got, ~staged.left_out))
-        rest = staged.left_out.nonzero().squeeze(1)
-        self.tables.update(staged.route.ids.index_select(0, rest), got.index_select(0, rest))
+        self.tables.update_looked_up(staged.looked_up, got.index_select(0, self._at(~staged.left_out)))
+        rest = _positions(staged.left_out)
+        self.tables.update(self._on_device(staged.route.ids.index_select(0, rest)), got.index_select(0, self._on_device(rest)))
 
     def _all_gradients(self, cur: _Staged, hot_got: torch.Tensor, deferred: "_Deferred") -> torch.Tensor:
         """Every gradient batch i's owner receives, as ``sync`` receives them (shard-major): the
         deferred part, then the collision rows in their places."""
         got = self._deferred_gradients(deferred)
         if hot_got.numel():
-            got.index_copy_(0, cur.owned_collide.nonzero().squeeze(1), hot_got)
+            got.index_copy_(0, self._at(cur.owned_collide), hot_got)
         return got
 
     def _deferred_gradients(self, deferred: "_Deferred") -> torch.Tensor:
@@ -551,23 +565,21 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         whole_in = [2 * h <= n for h, n in zip(hot_owned, route.recv_counts)]
         outs = [n if w else n - h for n, h, w in zip(route.send_counts, hot_sent, whole_out)]
         ins = [n if w else n - h for n, h, w in zip(route.recv_counts, hot_owned, whole_in)]
-        device = self.device
+        # The sender's payload: whole blocks with zeroed collision rows, or the other rows alone.
+        whole = torch.tensor(whole_out)[route.owners]
+        zero = cur.sent_collide & whole
+        keep = ~cur.sent_collide | whole
         # On the side stream, after the backward that made ``sent``:
         with self.streams.on(self.side), self.timeline.device_span("deferred_send", self.side):
-            for t in (sent, cur.sent_collide, route.owners):
-                self.streams.hand_over(t, self.side)
-            # The sender's payload: whole blocks with zeroed collision rows, or the other rows alone.
-            whole = torch.tensor(whole_out, device=device)[route.owners]
-            zero = cur.sent_collide & whole
-            if zero.any():
-                sent.index_fill_(0, zero.nonzero().squeeze(1), 0.0)
-            keep = ~cur.sent_collide | whole
-            payload = sent if bool(keep.all()) else _take(sent, keep)
+            self.streams.hand_over(sent, self.side)
+            if bool(zero.any()):
+                sent.index_fill_(0, self._at(zero), 0.0)
+            payload = sent if bool(keep.all()) else sent.index_select(0, self._at(keep))
             handle = self.transport.all_to_all_single(payload, outs, ins, lane=NORMAL)
         # Where the owner puts what arrives among the ids it received (None: as it comes).
-        sources = torch.repeat_interleave(torch.arange(W, device=device), torch.tensor(route.recv_counts, device=device))
-        placed = ~cur.owned_collide | torch.tensor(whole_in, dtype=torch.bool, device=device)[sources]
-        return _Deferred(handle, cur, None if bool(placed.all()) else placed.nonzero().squeeze(1))
+        sources = torch.repeat_interleave(torch.arange(W), torch.tensor(route.recv_counts))
+        placed = ~cur.owned_collide | torch.tensor(whole_in, dtype=torch.bool)[sources]
+        return _Deferred(handle, cur, None if bool(placed.all()) else self._at(placed))
 
     def _wait(self, handle) -> torch.Tensor:
         """The result of an exchange issued on the side stream, for the compute stream."""
@@ -593,9 +605,14 @@ PIPELINES = {"sync": SyncEmbeddingPipeline, "prioritized": PrioritizedEmbeddingP
 """The pipelines over FreeScale's own tables, by ``train.pipeline``."""
 
 
+def _positions(mask: torch.Tensor) -> torch.Tensor:
+    """Where host ``mask`` is true."""
+    return mask.nonzero().squeeze(1)
+
+
 def _take(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The rows ``mask`` keeps, in order (a gather by index: faster than boolean indexing)."""
-    return rows.index_select(0, mask.nonzero().squeeze(1))
+    """The host rows ``mask`` keeps, in order (a gather by index: faster than boolean indexing)."""
+    return rows.index_select(0, _positions(mask))
 
 
 def _per_owner(route: Route, mask: torch.Tensor) -> list[int]:

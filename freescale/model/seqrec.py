@@ -8,25 +8,31 @@ sharded modules' inputs and treat ``SeqRecTask`` as one leaf, so it may branch o
 
 ``SeqRecTask``: positional embeddings on the UIH, a pre-norm transformer encoder over the
 jagged UIH, candidate-target attention (each candidate attends over its own sample's encoded
-history), an MLP head on [candidate, attended, candidate * attended, user], and BCE loss.
+history), an MLP head on [candidate, attended, candidate * attended, user], and BCE loss. It
+takes the rows as plain tensors and the batch's shape (history lengths, candidate counts) as
+host tensors: every index it needs (the attention's groups, the positions, which candidates
+belong to which user) is computed on the host and copied to the device without waiting, so a
+forward never makes the host wait for the device. It needs torch alone; TorchRec is imported
+where the embedding modules are built.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
-from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
-from torchrec.sparse.jagged_tensor import JaggedTensor, KeyedTensor
 
-from freescale.config import EmbeddingConfig as EmbeddingSettings
-from freescale.config import ModelConfig
-from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE, Batch
+from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
+from freescale.device import to_device
 from freescale.model.jagged_attention import JaggedLayout, offsets_of
+
+if TYPE_CHECKING:
+    from freescale.config import EmbeddingConfig as EmbeddingSettings
+    from freescale.config import ModelConfig
+    from freescale.data.batch import Batch
 
 ITEM_TABLE = "item_table"
 USER_TABLE = "user_table"
@@ -82,8 +88,9 @@ class SeqRecTask(nn.Module):
 
     def forward(
         self,
-        seq: dict[str, JaggedTensor],
-        user: KeyedTensor | None,
+        uih: torch.Tensor,
+        cand: torch.Tensor,
+        user_rows: torch.Tensor | None,
         uih_lengths: torch.Tensor,
         cand_counts: torch.Tensor,
         labels: torch.Tensor,
@@ -91,19 +98,21 @@ class SeqRecTask(nn.Module):
         batch_index: torch.Tensor,
         loss_scale: torch.Tensor,
     ):
-        uih = seq[UIH_FEATURE].values()
-        cand = seq[CANDIDATE_FEATURE].values()
-        user_rows = user[USER_FEATURE] if user is not None else None
+        """(loss, StepOutput) of the histories' rows ``uih`` [sum(uih_lengths), D], the candidates'
+        ``cand`` [sum(cand_counts), D] and the users' ``user_rows`` [samples, D] (None without
+        user features), on the model's device; ``uih_lengths``, ``cand_counts`` (and the
+        ``sample_ids`` and ``batch_index`` passed through) are host tensors."""
+        device = uih.device
         if self.project is not None:
             uih, cand = self.project(uih), self.project(cand)
             user_rows = self.project(user_rows) if user_rows is not None else None
-        self_layout = JaggedLayout(uih_lengths, uih_lengths, self.cfg.attention_padding)
-        target_layout = JaggedLayout(uih_lengths, cand_counts, self.cfg.attention_padding)
+        self_layout = JaggedLayout(uih_lengths, uih_lengths, self.cfg.attention_padding, device)
+        target_layout = JaggedLayout(uih_lengths, cand_counts, self.cfg.attention_padding, device)
 
         # Position counted from the most recent event, so truncation keeps positions stable.
-        within = torch.arange(uih.shape[0], device=uih.device) - torch.repeat_interleave(offsets_of(uih_lengths)[:-1], uih_lengths)
+        within = torch.arange(int(uih_lengths.sum())) - torch.repeat_interleave(offsets_of(uih_lengths)[:-1], uih_lengths)
         from_end = torch.repeat_interleave(uih_lengths, uih_lengths) - 1 - within
-        x = uih + self.positions(from_end.clamp_(max=self.positions.num_embeddings - 1))
+        x = uih + self.positions(to_device(from_end.clamp_(max=self.positions.num_embeddings - 1), device))
         for layer in self.layers:
             x = layer(x, self_layout)
         x = self.norm(x)
@@ -111,8 +120,9 @@ class SeqRecTask(nn.Module):
         k, v = self.target_kv(x).chunk(2, dim=-1)
         attended = target_layout.attend(self.target_q(cand), k, v, self.cfg.num_heads)
         features = [cand, attended, cand * attended]
-        if user_rows is not None:
-            features.append(torch.repeat_interleave(user_rows, cand_counts, dim=0))
+        if user_rows is not None:  # each sample's user row once per candidate
+            owner = torch.repeat_interleave(torch.arange(len(cand_counts)), cand_counts)
+            features.append(user_rows.index_select(0, to_device(owner, device)))
         logits = self.head(torch.cat(features, dim=-1)).squeeze(-1)
         loss = F.binary_cross_entropy_with_logits(logits, labels) * loss_scale
         return loss, StepOutput(loss.detach(), logits.detach(), labels, sample_ids, uih_lengths, batch_index)
@@ -126,6 +136,9 @@ class SeqRecModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, emb: EmbeddingSettings, *, num_items: int, max_uih_len: int,
                  device: torch.device) -> None:
+        from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
         super().__init__()
         init = partial(nn.init.normal_, mean=0.0, std=emb.init_std)
         self.item_ec = EmbeddingCollection(
@@ -146,6 +159,6 @@ class SeqRecModel(nn.Module):
 
     def forward(self, batch: Batch):
         seq = self.item_ec(batch.seq_features)
-        user = self.user_ebc(batch.user_features) if self.user_ebc is not None else None
-        return self.task(seq, user, batch.uih_lengths, batch.cand_counts, batch.labels, batch.sample_ids,
-                         batch.batch_index, batch.loss_scale)
+        user = self.user_ebc(batch.user_features)[USER_FEATURE] if self.user_ebc is not None else None
+        return self.task(seq[UIH_FEATURE].values(), seq[CANDIDATE_FEATURE].values(), user, batch.uih_lengths,
+                         batch.cand_counts, batch.labels, batch.sample_ids, batch.batch_index, batch.loss_scale)

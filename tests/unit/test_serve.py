@@ -3,10 +3,8 @@
 import numpy as np
 import pytest
 import torch
-from torchrec.sparse.jagged_tensor import JaggedTensor
 
 from freescale.config import ModelConfig
-from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.serve.dense import ServingDense
 from freescale.serve.export import export_dense
 from freescale.serve.standalone import _padded, length_groups
@@ -32,10 +30,8 @@ def _batch(uih_lengths, cand_counts, dim=16, seed=1):
 
 
 def _training_logits(task, uih, uih_lengths, cand, cand_counts, user):
-    seq = {UIH_FEATURE: JaggedTensor(values=uih, lengths=uih_lengths),
-           CANDIDATE_FEATURE: JaggedTensor(values=cand, lengths=cand_counts)}
     n = int(cand_counts.sum())
-    _, out = task(seq, {USER_FEATURE: user} if task.cfg.user_features else None, uih_lengths, cand_counts,
+    _, out = task(uih, cand, user if task.cfg.user_features else None, uih_lengths, cand_counts,
                   torch.zeros(n), torch.arange(len(uih_lengths)), torch.tensor(0), torch.tensor(1.0))
     return out.logits
 
