@@ -87,6 +87,12 @@ class Streams:
                 tensor.record_stream(consumer)
         return tensor
 
+    def wait_for(self, stream) -> None:
+        """The current stream waits for what ``stream`` was given so far (e.g. a table update
+        that ran there, before the current stream reads the table)."""
+        if stream is not None and self.enabled:
+            self.current().wait_stream(stream)
+
     def hand_over(self, tensor: torch.Tensor, stream) -> torch.Tensor:
         """``tensor``, made on the current stream, used by ``stream`` from now on."""
         if stream is not None and self.enabled and tensor.device.type != "cpu":

@@ -597,8 +597,10 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
             self._update(deferred.staged, self._deferred_gradients(deferred))
 
     def drain(self) -> None:
-        """Apply every deferred update: the tables then hold what synchronous training would."""
+        """Apply every deferred update: the tables then hold what synchronous training would,
+        for whatever reads them next on the compute stream (evaluation, a checkpoint)."""
         self._apply_deferred()
+        self.streams.wait_for(self.side)
 
 
 PIPELINES = {"sync": SyncEmbeddingPipeline, "prioritized": PrioritizedEmbeddingPipeline}
