@@ -4,66 +4,21 @@ gloo ranks; its schedule (what goes early, what goes on the high lane); ``freesc
 import json
 from contextlib import contextmanager
 
-import numpy as np
 import pytest
 import torch
 
 from freescale.config import load_config
-from freescale.data.batch import Batch, Samples
-from freescale.distributed import Topology
 from freescale.device import Streams
+from freescale.distributed import Topology
 from freescale.embedding.pipeline import build_owned_model
-from freescale.train.verify import snapshot
-from freescale.model.sharding import build_dense_optimizer
 from freescale.profile.timeline import NullTimeline
-from freescale.train.pipelines import build_pipeline
+from freescale.train.verify import snapshot
 from freescale.transport.base import HIGH, NORMAL
 from helpers.launch import FAST, QUICKSTART, check, freescale, metrics, torchrun
+from helpers.owned_tables import ITEMS, SMALL, batches_of, build
 from helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
-
-ITEMS = 64  # rows 0..31 on rank 0, 32..63 on rank 1
-USERS = 16
-SMALL = ["--model.embedding_dim=8", "--model.num_heads=2", "--model.num_layers=1", "--model.mlp_dims=[8]",
-         f"--model.user_hash_size={USERS}", "--data.max_uih_len=16", "--embedding.lr=0.5", "--train.lr=0.01"]
-
-
-def _samples(rng, pool, n, first_id, uih_len=(0, 6), users=np.arange(USERS)):
-    lengths = rng.integers(uih_len[0], uih_len[1] + 1, n)
-    return Samples(
-        sample_ids=np.arange(first_id, first_id + n, dtype=np.int64),
-        user_ids=rng.choice(users, n).astype(np.int64),
-        uih_lengths=lengths.astype(np.int64),
-        uih_values=rng.choice(pool, int(lengths.sum())).astype(np.int64),
-        cand_counts=np.full(n, 2, dtype=np.int64),
-        cand_values=rng.choice(pool, 2 * n).astype(np.int64),
-        labels=(rng.random(2 * n) < 0.5).astype(np.float32),
-    )
-
-
-def _stream(rank):
-    """26 batches per rank mixing every case: no row in common with the previous batch (even and
-    odd rows, and users, alternate), the same rows again, empty histories, ids only rank 0 owns, any rows."""
-    rng = np.random.default_rng(100 + rank)
-    evens, odds = np.arange(0, ITEMS, 2), np.arange(1, ITEMS, 2)
-    cases = (["disjoint"] * 4 + ["same"] * 4 + ["empty_uih"] * 3 + ["one_owner"] * 3 + ["any"] * 4
-             + ["disjoint"] * 2 + ["same"] * 2 + ["any"] * 4)
-    batches, previous = [], None
-    for k, case in enumerate(cases):
-        if case == "disjoint":
-            s = _samples(rng, evens if k % 2 else odds, 6, 1000 * k + 10 * rank, users=(evens if k % 2 else odds) % USERS)
-        elif case == "same" and previous is not None:
-            s = previous
-        elif case == "empty_uih":
-            s = _samples(rng, np.arange(ITEMS), 5, 1000 * k + 10 * rank, uih_len=(0, 0))
-        elif case == "one_owner":
-            s = _samples(rng, np.arange(ITEMS // 2), 6, 1000 * k + 10 * rank)
-        else:
-            s = _samples(rng, np.arange(ITEMS), int(rng.integers(3, 8)), 1000 * k + 10 * rank)
-        previous = s
-        batches.append(Batch.from_samples(s, k, USERS))
-    return batches
 
 
 class RecordingStreams:
@@ -143,28 +98,23 @@ class RecordingTimeline(NullTimeline):
 
 
 def _train(mode, rank, world, transport_kind, log=None, steps=None, device="cpu"):
-    cfg = load_config(QUICKSTART, [*SMALL, f"--transport.kind={transport_kind}", "--transport.timeout_s=30"])
-    topo = Topology(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
-    torch.manual_seed(0)
-    model = build_owned_model(cfg, num_items=ITEMS, max_uih_len=cfg.data.max_uih_len, topology=topo, seed=7,
-                              device=device)
-    optimizer = build_dense_optimizer(model.task, cfg.train)
-    pipeline = build_pipeline(mode, model, optimizer, torch.device(device),
-                              NullTimeline() if log is None else RecordingTimeline(log), group=topo.pg,
-                              transport_cfg=cfg.transport)
+    model, optimizer, pipeline = build(mode, rank, world, transport_kind,
+                                       NullTimeline() if log is None else RecordingTimeline(log), device=device)
     if log is not None:
         # Streams as on a GPU: the side-stream exchanges and their hand-overs are logged.
         recorder = RecordingStreams(log)
         pipeline.inner.streams = Streams("cpu", module=recorder)
         pipeline.inner.side = pipeline.inner.streams.side()
         pipeline.inner.transport = RecordingTransport(pipeline.inner.transport, log, recorder)
-    batches = iter(_stream(rank)[:steps])
+    batches = iter(batches_of(rank)[:steps])
     losses = []
     try:
         while True:
             losses.append(pipeline.progress(batches).loss.item())
     except StopIteration:
         pass
+    if log is not None:
+        log.append(("drain",))
     pipeline.drain()
     state = snapshot(model, optimizer)
     rates = list(getattr(pipeline.inner, "collision_rates", []))
@@ -259,6 +209,14 @@ def _schedule(rank, world):
             assert before == ("stream_wait", "side", "compute"), (j, e, before)
             at = log.index(("wait", e))
             assert log[at + 1] == ("stream_wait", "compute", "side"), (j, e, log[at + 1])
+
+
+    # After a drain the compute stream waits for the side stream: the last deferred update ran
+    # there (the backward of the exclusive rows' lookup), and evaluation or a checkpoint reads
+    # the tables next on the compute stream.
+    drained = log.index(("drain",))
+    side_work = max(i for i, e in enumerate(log) if e[0] == "a2a" and e[5] == "side")
+    assert side_work < drained and ("stream_wait", "compute", "side") in log[drained:], log[drained:]
 
 
 def test_each_row_goes_once_and_the_exclusive_rows_are_waited_for_at_the_next_forward():
