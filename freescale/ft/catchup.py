@@ -3,7 +3,11 @@
 torchft fetches a live peer's state in its quorum thread while the peers keep stepping (the
 rank-``r`` ranks of a group take the rank-``r`` peer's state: the same layout, the same
 shards). What the peer sends is a *copy* taken before it writes anything in the step
-(``transfer_state``): tensors cloned, sharded tensors as their local shards. The receiving
+(``transfer_state``): tensors copied to host memory, sharded tensors as their local shards. On
+a GPU the copy is made in torchft's thread on the device's default stream, the one the step's
+kernels run on, so it holds every write issued before it and none after; it lands in host
+memory, where torchft sends it from, rather than as a second copy of the tables in device
+memory. The receiving
 rank does not load it when it arrives: it keeps it until its group's commit vote, and the
 vote decides for the whole group (``freescale.ft.replica``): committed, every
 rank loads its stash; not committed (a rank's fetch failed, the peer died mid-transfer), every
@@ -21,17 +25,23 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map
 
 
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor`` in host memory (a clone of a host tensor)."""
+    return tensor.detach().to("cpu", copy=True)
+
+
 def transfer_state(state: dict) -> dict:
-    """A copy of ``state`` that the live state can no longer change: tensors cloned, sharded
-    tensors as their local shards (a rank catching up takes the same-rank peer's shards)."""
+    """A copy of ``state`` that the live state can no longer change: tensors copied to host
+    memory, sharded tensors as their local shards (a rank catching up takes the same-rank
+    peer's shards)."""
 
     def copy(value):
         if isinstance(value, DTensor):
-            return value.to_local().detach().clone()
+            return host_copy(value.to_local())
         if isinstance(value, ShardedTensor):
-            return [s.tensor.detach().clone() for s in value.local_shards()]
+            return [host_copy(s.tensor) for s in value.local_shards()]
         if isinstance(value, torch.Tensor):
-            return value.detach().clone()
+            return host_copy(value)
         return value
 
     return tree_map(copy, state, is_leaf=lambda v: isinstance(v, ShardedTensor))
