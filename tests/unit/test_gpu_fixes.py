@@ -216,3 +216,50 @@ def test_on_cpu_the_device_copy_is_an_alias():
     host = torch.arange(4)
     moved = to_device(host, "cpu")
     assert moved is not host and moved.data_ptr() == host.data_ptr()
+
+
+TORCH_TIER = ["freescale.device", "freescale.distributed", "freescale.config", "freescale.transport.registry",
+              "freescale.transport.torch_dist", "freescale.transport.host_staged", "freescale.profile.timeline",
+              "freescale.model.seqrec", "freescale.model.jagged_attention", "freescale.ft.catchup"]
+"""What the GPU check's torch tier imports of FreeScale, on a machine with torch and no TorchRec,
+fbgemm or torchft."""
+
+_BLOCKED = '''
+import importlib, sys
+class Blocked:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("torchrec", "fbgemm_gpu", "torchft"):
+            raise ImportError(f"{name} is not installed here")
+sys.meta_path.insert(0, Blocked())
+for name in sys.argv[1:]:
+    importlib.import_module(name)
+# And what the tier runs of them: the dense model's forward and backward, a host_staged collective.
+import datetime
+import torch, torch.distributed as dist
+from freescale.config import ModelConfig, TransportConfig
+from freescale.model.seqrec import SeqRecTask
+from freescale.transport.registry import build_transport
+task = SeqRecTask(ModelConfig(embedding_dim=8, num_layers=1, num_heads=2, mlp_dims=[4], user_features=True), 16)
+lengths, counts = torch.tensor([2, 0, 3]), torch.tensor([1, 2, 1])
+loss, _ = task(torch.randn(5, 8), torch.randn(4, 8), torch.randn(3, 8), lengths, counts, torch.ones(4),
+               torch.arange(3), torch.tensor(0), torch.tensor(1.0))
+loss.backward()
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))
+transport = build_transport(TransportConfig(kind="host_staged"), dist.group.WORLD)
+assert torch.equal(transport.all_to_all_single(torch.arange(4), [4], [4]).wait(), torch.arange(4))
+transport.close()
+dist.destroy_process_group()
+print("torch tier ok:", sorted(m for m in sys.modules if m.split(".")[0] in ("torchrec", "fbgemm_gpu", "torchft")))
+'''
+
+
+def test_the_torch_tier_runs_without_torchrec_fbgemm_or_torchft():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "-c", _BLOCKED, *TORCH_TIER], cwd=root, capture_output=True, text=True,
+                          timeout=120, env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "torch tier ok: []" in proc.stdout, proc.stdout
