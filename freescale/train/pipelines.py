@@ -60,13 +60,14 @@ class TrainPipeline(Protocol):
 # TorchRec's pipelines --------------------------------------------------------------------------
 
 class _TorchRecPipeline:
-    """A TorchRec pipeline (``inner``) plus the DMP model it drives."""
+    """A TorchRec pipeline (``inner``) plus the DMP model it drives, on ``device``."""
 
     table_kind = TORCHREC_TABLES
 
-    def __init__(self, inner, model: torch.nn.Module) -> None:
+    def __init__(self, inner, model: torch.nn.Module, device: torch.device) -> None:
         self.inner = inner
         self.model = model
+        self.device = device
 
     vote = COMMITTED  # no replica layer here: every step commits
 
@@ -81,12 +82,13 @@ class _TorchRecPipeline:
 
     @contextlib.contextmanager
     def evaluating(self):
-        """The plain model in eval mode; training mode is restored after."""
+        """The plain model in eval mode, over batches moved to the model's device (the held-out
+        batches are read into host memory); training mode is restored after."""
         with self._plain_forwards():
             self.model.eval()
             try:
                 with torch.no_grad():
-                    yield self.model
+                    yield lambda batch: self.model(batch.to(self.device))
             finally:
                 self.model.train()
 
@@ -119,7 +121,7 @@ class SparseDistPipeline(_TorchRecPipeline):
     def __init__(self, model, optimizer, device, timeline) -> None:
         instrument_phases(timeline, model, optimizer)
         super().__init__(_ProfiledSparseDist(model, optimizer, device, execute_all_batches=False, timeline=timeline),
-                         model)
+                         model, device)
 
     @classmethod
     def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None
@@ -138,7 +140,7 @@ class BasePipeline(_TorchRecPipeline):
 
     def __init__(self, model, optimizer, device, timeline) -> None:
         instrument_phases(timeline, model, optimizer)
-        super().__init__(TrainPipelineBase(model, optimizer, device), model)
+        super().__init__(TrainPipelineBase(model, optimizer, device), model, device)
 
     @classmethod
     def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None
@@ -205,7 +207,6 @@ class ReplicaSparseDist(SparseDistPipeline):
         self.voted = VotedOptimizer(optimizer, replica, self._in_hand)
         super().__init__(model, self.voted, device, timeline)
         self.replica = replica
-        self.device = device
         self._drawn: deque = deque()
         self._source: _Drawn | None = None
         self._again = None

@@ -182,34 +182,53 @@ def _batch():
     return Batch.from_samples(samples, batch_index=4, user_hash_size=10)
 
 
-def test_a_batch_goes_to_a_device_from_pinned_memory_and_keeps_its_shape_on_the_host(monkeypatch):
-    # meta plays the device; pinning needs one, so it is recorded here instead.
-    pinned = []
+@pytest.fixture
+def copies(monkeypatch):
+    """Host-to-device copies as (from pinned memory, non-blocking); meta plays the device, and
+    since pinning needs a real one, pinned memory is played by a marked clone."""
+    made = []
 
     def pin_memory(self):
-        pinned.append(self.shape)
         out = self.clone()
         out._pinned = True
         return out
 
-    copies = []
     to = torch.Tensor.to
 
     def recording_to(self, *args, **kwargs):
-        copies.append((getattr(self, "_pinned", False), kwargs.get("non_blocking")))
+        made.append((getattr(self, "_pinned", False), kwargs.get("non_blocking")))
         return to(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     monkeypatch.setattr(torch.Tensor, "is_pinned", lambda self: getattr(self, "_pinned", False))
     monkeypatch.setattr(torch.Tensor, "to", recording_to)
+    return made
+
+
+def test_a_batch_goes_to_a_device_from_pinned_memory_and_keeps_its_shape_on_the_host(copies):
     moved = _batch().to(torch.device("meta"), non_blocking=False)
     assert moved.labels.device.type == "meta" and moved.seq_features.values().device.type == "meta"
     assert copies and all(copy == (True, True) for copy in copies), copies  # pinned, non-blocking, always
-    assert len(pinned) == len(copies)
     for name in HOST_FIELDS:
         assert getattr(moved, name).device.type == "cpu", name
     # The ids stay on the host too when the pipeline routes them from there.
     assert _batch().to(torch.device("meta"), sparse=False).seq_features.values().device.type == "cpu"
+
+
+def test_evaluation_over_torchrecs_tables_moves_each_held_out_batch_to_the_device(copies):
+    from freescale.train.pipelines import _TorchRecPipeline
+
+    seen = []
+
+    class Model(torch.nn.Module):
+        def forward(self, batch):
+            seen.append((batch.labels.device.type, batch.uih_lengths.device.type))
+            return torch.zeros(()), None
+
+    pipeline = _TorchRecPipeline(None, Model(), torch.device("meta"))
+    with pipeline.evaluating() as model:
+        model(_batch())  # held-out batches are read into host memory
+    assert seen == [("meta", "cpu")]
 
 
 def test_on_cpu_the_device_copy_is_an_alias():
