@@ -19,8 +19,8 @@ from freescale.model.sharding import build_dense_optimizer, build_optimizer, sha
 from freescale.profile.timeline import NullTimeline
 from freescale.train.pipelines import build_pipeline
 from helpers.launch import QUICKSTART
+from helpers.owned_tables import ITEMS, SMALL, batches_of
 from helpers.spawn import run_ranks
-from test_prioritized import ITEMS, SMALL, _stream
 
 pytestmark = pytest.mark.slow
 
@@ -54,7 +54,7 @@ def _agree(rank, world):
         "ours": build_pipeline("sync", ours, ours_opt, cpu, NullTimeline(), group=topo.pg, transport_cfg=cfg.transport),
         "torchrec": build_pipeline("base", theirs, theirs_opt, cpu, NullTimeline()),
     }
-    streams = {name: iter(_stream(rank)[:STEPS]) for name in pipelines}
+    streams = {name: iter(batches_of(rank)[:STEPS]) for name in pipelines}
     losses = {name: [] for name in pipelines}
     for _ in range(STEPS):
         for name, pipeline in pipelines.items():
