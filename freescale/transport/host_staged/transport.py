@@ -103,7 +103,7 @@ class HostStagedTransport:
         self.wire = wire.Wire(self.rank, self._peers, timeout_s=self.timeout_s, spin_s=cfg.spin_us * 1e-6)
         self.pool = memory.BufferPool(mapped=self.local_path == "mapped")
         self.peer_files = memory.PeerFiles(self.pids)
-        self.staging = DeviceStaging(self.pool) if torch.cuda.is_available() else None
+        self.staging = DeviceStaging(self.pool)
         remote = [r for r in range(self.world_size) if not self.local[r]]
         self.scheduler = Scheduler(self.rank, run=self._execute, on_failure=lambda op: self.wire.fail(op.key))
         self.scheduler.nudge = self.wire.nudge
@@ -250,14 +250,10 @@ class HostStagedTransport:
             raise TransportError(f"host_staged {op}: an earlier collective failed: {self.scheduler.failed}")
         row_shape = tuple(tensor.shape[1:])
         row_bytes = tensor.element_size() * math.prod(row_shape)
-        staged = needs_staging(tensor)
-        out_host = self.pool.take((sum(output_splits), *row_shape), tensor.dtype, pinned=staged)
-        if staged:
-            src, ready = self.staging.to_host(tensor)
-            finish = lambda: self.staging.to_device(out_host, tensor.device)  # noqa: E731
-        else:
-            src, ready = tensor, None
-            finish = lambda: out_host  # noqa: E731
+        out_host = self.pool.take((sum(output_splits), *row_shape), tensor.dtype, pinned=needs_staging(tensor))
+        high = lane > NORMAL
+        src, ready = self.staging.to_host(tensor, high)
+        finish = lambda: self.staging.to_device(out_host, tensor.device, high)  # noqa: E731
         in_bytes = [n * row_bytes for n in input_splits]
         out_bytes = [n * row_bytes for n in output_splits]
         item = Op(
