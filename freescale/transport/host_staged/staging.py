@@ -3,8 +3,9 @@
 A device tensor is copied into a pooled pinned host buffer with ``cudaMemcpyAsync`` on a copy
 stream of its device's ``freescale.device.CopyEngine`` (one per device, made at its first
 tensor; a stream per direction and lane, so a high-lane copy does not queue behind a normal
-one), after the caller's stream; the proxy waits for that copy's event before reading the
-buffer. The result comes back the same way, and the caller's stream waits on an event, never the host. No kernel of ours runs: the
+one), after the caller's stream. The proxy starts the collective once that copy's event says
+it is complete (it asks, ``query()``, and never waits for it). The result comes back the same
+way, and the caller's stream waits on an event, never the host. No kernel of ours runs: the
 streaming multiprocessors stay with the model. A CPU tensor is not staged: it passes through.
 """
 
