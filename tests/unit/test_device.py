@@ -62,6 +62,30 @@ class FakeEvent:
         return 1000.0 * (other.t - self.t)
 
 
+class StreamEvent(FakeEvent):
+    """An event that completes once its stream has reached it (``reached[stream]``, default
+    True); like CUDA's, its elapsed time needs both events complete."""
+
+    def __init__(self, device, reached):
+        super().__init__(device)
+        self.reached = reached
+        self.stream = None
+
+    def record(self, stream=None):
+        self.stream = stream
+        super().record(stream)
+
+    def query(self):
+        return self.reached.get(self.stream, True)
+
+    def synchronize(self):
+        self.reached[self.stream] = True
+
+    def elapsed_time(self, other):
+        assert self.query() and other.query(), "cudaErrorNotReady: an event has not completed"
+        return super().elapsed_time(other)
+
+
 class Output:
     sample_ids = torch.arange(4)
     uih_lengths = torch.tensor([3, 1, 2, 2])
@@ -144,6 +168,36 @@ def test_a_device_span_on_a_side_stream_is_recorded_on_that_stream(tmp_path):
     (span,) = rec["device_spans"]
     assert span[0] == "exclusive_send" and span[2] - span[1] == pytest.approx(0.02)
     assert rec["device_compute"] == 0.0  # a side stream's exchange is not compute
+
+
+def test_a_step_is_written_once_its_side_stream_spans_have_completed_too(tmp_path):
+    # The side stream's exchange outlasts the step's last event on the compute stream.
+    fake, reached = FakeDevice(), {"side": False}
+    path = tmp_path / "rank0.jsonl"
+    timeline = StepTimeline(str(path), rank=0, world_size=1, clock_offset=0.0, threads=1,
+                            device_clock=DeviceClock("cpu", new_event=lambda: StreamEvent(fake, reached)))
+
+    def step(n, at):
+        fake.now = at
+        timeline.begin_step(n)
+        with timeline.device_span("deferred_send", "side"):
+            fake.now = at + 0.05
+        fake.now = at + 0.01
+        timeline.end_step(n, Output())
+
+    step(1, 0.0)
+    timeline._file.flush()
+    assert _records(path) == []  # its last event is in, the side stream's span is not
+    reached["side"] = True
+    step(2, 0.1)
+    timeline._file.flush()
+    assert [r["step"] for r in _records(path)] == [1, 2]
+    reached["side"] = False
+    step(3, 0.2)
+    timeline.finish()  # the end waits for the side stream too
+    records = _records(path)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["device_spans"][0][2] - r["device_spans"][0][1] == pytest.approx(0.05) for r in records)
 
 
 def _record(step, start, end, cpu, device_compute=None, device_step=None):
