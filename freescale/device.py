@@ -14,10 +14,11 @@ code is the same on every accelerator torch knows. On CPU there is one stream: e
 a no-op and the overlap comes from the transport's threads, as it always has.
 
 ``CopyEngine`` moves a device tensor to pinned host memory and back with asynchronous copies
-on a copy stream of its own (``cudaMemcpyAsync`` on CUDA: the copy engines move the bytes, no
-kernel runs on the streaming multiprocessors); the host side waits for an event, the device
-side for the copy stream, never the host. The ``host_staged`` transport and the replica
-layer's cross-replica all-reduce stage device tensors through it.
+on copy streams of its own, one per direction and lane, made on the tensor's device
+(``cudaMemcpyAsync`` on CUDA: the copy engines move the bytes, no kernel runs on the streaming
+multiprocessors); the host side waits for an event, the device side for the copy stream,
+never the host. The ``host_staged`` transport and the replica layer's cross-replica
+all-reduce stage device tensors through it.
 """
 
 from __future__ import annotations
@@ -105,49 +106,101 @@ class Streams:
 
 
 class CopyEngine:
-    """Device <-> pinned host copies on a copy stream of their own (CUDA only)."""
+    """Device <-> pinned host copies on copy streams of their own, on one device.
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
-        self.module = torch.get_device_module(torch.device(device) if device is not None else "cuda")
-        self.stream = self.module.Stream()
+    A stream runs its work in order, so one copy stream for everything would make a copy to
+    the device wait for every copy to the host queued before it (and the reverse), and a
+    priority-lane copy wait for the normal lane's. There is a stream per direction, so both
+    run at once (a GPU has a copy engine for each), and per lane (``high``: the transport's
+    priority lane, ``freescale.transport.base.HIGH``): the high lane's streams take the
+    highest priority torch gives (``Stream.priority_range()``), the normal lane's the default.
+    CUDA applies priorities to kernels only, not to copies, so for the copies what counts is
+    that the high lane's are not queued behind the normal lane's; the priority also draws
+    those streams from torch's high-priority pool, apart from the normal-priority streams the
+    rest of the program gets.
 
-    def to_host(self, tensor: torch.Tensor, host: torch.Tensor):
+    The streams are made on ``device``, the tensors' device, whatever device is current:
+    one engine per device (``staging.DeviceStaging`` keeps one per device it has seen).
+    ``module`` is the device module (``torch.cuda``); a test gives one that records.
+    """
+
+    TO_HOST = "to_host"
+    TO_DEVICE = "to_device"
+
+    def __init__(self, device: torch.device | str, module=None) -> None:
+        device = torch.device(device)
+        self.module = module or torch.get_device_module(device)
+        if device.index is None and accelerated(device):
+            device = torch.device(device.type, self.module.current_device())
+        self.device = device
+        least, greatest = self.module.Stream.priority_range()
+        self.streams = {(direction, high): self.module.Stream(device=device, priority=greatest if high else least)
+                        for direction in (self.TO_HOST, self.TO_DEVICE) for high in (False, True)}
+        """The copy streams by (direction, high)."""
+
+    def to_host(self, tensor: torch.Tensor, host: torch.Tensor, high: bool = False, blocking: bool = False):
         """Start copying ``tensor`` into pinned ``host`` (same shape and dtype) once the caller's
-        stream has written it; the event that says the copy is complete."""
-        ready = self.module.Event()
-        self.stream.wait_stream(self.module.current_stream(tensor.device))
-        with self.module.stream(self.stream):
+        stream has written it; the event that says the copy is complete (``host`` must not be
+        read before). ``blocking``: a thread that waits for the event sleeps instead of
+        spinning (for a caller that waits at once; the transport's proxy only asks ``query()``)."""
+        self._check(tensor.device)
+        stream = self.streams[(self.TO_HOST, high)]
+        stream.wait_stream(self.module.current_stream(self.device))
+        with self.module.stream(stream):
             host.copy_(tensor, non_blocking=True)
-            ready.record(self.stream)
-        tensor.record_stream(self.stream)
+        ready = self.module.Event(blocking=blocking)
+        ready.record(stream)
+        self._used_on(tensor, stream)  # the caller may drop it before the copy has read it
         return ready
 
-    def to_device(self, host: torch.Tensor, device: torch.device, out: torch.Tensor | None = None):
+    def to_device(self, host: torch.Tensor, device: torch.device, out: torch.Tensor | None = None,
+                  high: bool = False):
         """``host`` on ``device`` (into ``out`` when given), and the event that says the copy is
-        complete (``host`` must not be written before); the caller's stream waits for the copy."""
-        with self.module.stream(self.stream):
+        complete (``host`` must not be written before); the caller's stream waits for the copy.
+        Into ``out``, the copy also waits for what the caller's stream issued before (which may
+        still read ``out``)."""
+        self._check(device if out is None else out.device)
+        stream = self.streams[(self.TO_DEVICE, high)]
+        consumer = self.module.current_stream(self.device)
+        if out is not None:
+            stream.wait_stream(consumer)
+        with self.module.stream(stream):
             if out is None:
-                out = host.to(device, non_blocking=True)
+                out = host.to(self.device, non_blocking=True)
             else:
                 out.copy_(host, non_blocking=True)
-            done = self.module.Event()
-            done.record(self.stream)
-        consumer = self.module.current_stream(device)
+                self._used_on(out, stream)
+        done = self.module.Event()
+        done.record(stream)
         consumer.wait_event(done)
-        out.record_stream(consumer)
+        self._used_on(out, consumer)  # made on the copy stream, freed by the caller's
         return out, done
+
+    def _check(self, device: torch.device | str) -> None:
+        device = torch.device(device)
+        if device.index is None and accelerated(device):
+            device = torch.device(device.type, self.module.current_device())
+        if device != self.device:
+            raise ValueError(f"a copy engine on {self.device} was given a tensor on {device} (one engine per device)")
+
+    @staticmethod
+    def _used_on(tensor: torch.Tensor, stream) -> None:
+        """Tell the caching allocator that ``stream`` uses ``tensor`` (host memory has no such allocator)."""
+        if tensor.device.type != "cpu":
+            tensor.record_stream(stream)
 
 
 def staged_on_host(tensor: torch.Tensor, collective, engine: CopyEngine | None = None):
     """Run ``collective(host_tensor)`` (in place) on a pinned host copy of device ``tensor`` and
     copy the result back into it with the copy engine; on CPU, ``collective(tensor)``. Returns
-    what ``collective`` returned."""
+    what ``collective`` returned. ``engine`` must be ``tensor``'s device's (one is made if None)."""
     if tensor.device.type == "cpu":
         return collective(tensor)
     engine = engine or CopyEngine(tensor.device)
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    engine.to_host(tensor, host).synchronize()
+    # This thread needs the bytes before it can go on: it sleeps until they are in.
+    engine.to_host(tensor, host, blocking=True).synchronize()
     result = collective(host)
+    # The pinned block goes back to torch's host allocator, which keeps it until the copy is done.
     engine.to_device(host, tensor.device, out=tensor)
     return result
-

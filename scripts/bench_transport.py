@@ -13,9 +13,11 @@ For each rank count, in one job per rank count (real processes, gloo on loopback
 (2) the slowdown of a dense compute loop (matmuls) on every rank while each transport runs
     20 all-to-alls of 4 MiB from a side thread, against the same loop alone, and the compute
     time lost per all-to-all (a faster transport slows the loop for less time);
-(3) On a CUDA machine: a GEMM's slowdown (%) under a concurrent SM-based device copy against a
-    concurrent copy-engine (cudaMemcpyAsync device->pinned host) copy, 3 alternating repeats;
-    skipped without CUDA (``--gpu-only``: this section alone).
+(3) On a CUDA machine: a GEMM loop's slowdown (%) beside SM copies (an elementwise kernel)
+    against copy-engine copies (cudaMemcpyAsync device->pinned host) on a side stream, sized
+    to outlast the loop, with both spans reported, 3 alternating repeats
+    (``freescale.transport.sm_contention``); skipped without CUDA (``--gpu-only``: this
+    section alone, which needs torch and numpy only).
 
 Prints tables and writes ``runs/bench_transport.json``.
 """
@@ -37,15 +39,16 @@ import torch.multiprocessing as mp
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from freescale.config import TransportConfig  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
-from freescale.progress import bar  # noqa: E402
-from freescale.transport.registry import build_transport  # noqa: E402
+from freescale.transport import sm_contention  # noqa: E402
 
 
 
 def _build(name: str):
     """``torch_dist`` or ``host_staged[<local path>]``."""
+    from freescale.config import TransportConfig
+    from freescale.transport.registry import build_transport
+
     if name == "torch_dist":
         return build_transport(TransportConfig(kind="torch_dist"))
     path = name[len("host_staged["):-1]
@@ -166,57 +169,12 @@ def run_world(world: int, sizes_kib: list[int], names: list[str]) -> dict:
 
 
 def gpu_section(repeats: int = 3) -> dict | None:
-    """A GEMM loop's slowdown while a side stream copies 512 MiB over and over, by an SM kernel
-    (an elementwise copy: what a kernel-based transport does) or by the copy engine
-    (cudaMemcpyAsync device -> pinned host: what host_staged does); the variants alternate,
-    ``repeats`` times, and each slowdown is reported as mean and range over the repeats."""
-    if not torch.cuda.is_available():
+    """(3): the GEMM loop beside each kind of copy (``freescale.transport.sm_contention``)."""
+    result = sm_contention.gemm_slowdown(repeats)
+    if result is None:
         print("\n(3) GPU: skipped (no CUDA device)")
         return None
-    dev = torch.device("cuda")
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    src = torch.empty(512 << 20, dtype=torch.uint8, device=dev)
-    dst_dev = torch.empty_like(src)
-    dst_host = torch.empty(src.numel(), dtype=torch.uint8, pin_memory=True)
-    side = torch.cuda.Stream()
-    copies = {
-        "alone": None,
-        "sm_copy": lambda: torch.bitwise_or(src, 0, out=dst_dev),  # an elementwise kernel: runs on SMs
-        "copy_engine": lambda: dst_host.copy_(src, non_blocking=True),  # cudaMemcpyAsync D2H: no kernel
-    }
-
-    def gemm_ms(copy) -> float:
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        if copy is not None:  # enough copies queued to outlast the GEMM loop
-            with torch.cuda.stream(side):
-                for _ in range(24):
-                    copy()
-        start.record()
-        for _ in range(20):
-            a @ a
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / 20
-
-    for copy in copies.values():
-        gemm_ms(copy)  # warm-up
-    runs = {name: [] for name in copies}
-    for _ in range(repeats):
-        for name, copy in copies.items():
-            runs[name].append(gemm_ms(copy))
-    alone = statistics.mean(runs["alone"])
-    result = {"gemm_ms": {k: v for k, v in runs.items()}, "device": torch.cuda.get_device_name(0)}
-    print(f"\n(3) GPU ({result['device']}): GEMM 8192^2 bf16 with a concurrent 512 MiB copy on a side stream, "
-          f"{repeats} alternating repeats")
-    print("| beside the GEMM | GEMM ms (mean, range) | slowdown % (mean, range) |\n|---|---|---|")
-    for name, times in runs.items():
-        pct = [100.0 * (t / alone - 1.0) for t in times]
-        result[f"{name}_slowdown_pct"] = {"mean": statistics.mean(pct), "min": min(pct), "max": max(pct)}
-        print(f"| {name} | {statistics.mean(times):.3f} ({min(times):.3f}-{max(times):.3f}) | "
-              f"{statistics.mean(pct):+.1f} ({min(pct):+.1f} to {max(pct):+.1f}) |")
-    sm, ce = result["sm_copy_slowdown_pct"]["mean"], result["copy_engine_slowdown_pct"]["mean"]
-    print(f"copy engine against SM copy: the GEMM loses {ce:.1f}% instead of {sm:.1f}%")
+    print("\n(3) GPU: " + sm_contention.table(result))
     return result
 
 
@@ -232,7 +190,7 @@ def main() -> None:
 
     staged = [f"host_staged[{p}]" for p in args.local_paths]
     result = {"worlds": {}}
-    for world in bar([] if args.gpu_only else args.ranks, desc="bench_transport", unit="rank count"):
+    for world in ([] if args.gpu_only else _progress(args.ranks)):
         data = run_world(world, args.sizes_kib, ["torch_dist", *staged])
         result["worlds"][world] = data
         by = {(r["kib"], r["transport"]): r for r in data["rows"]}
@@ -265,6 +223,15 @@ def main() -> None:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_json_atomic(args.out, result)
     print(f"\nwrote {args.out}")
+    if result["gpu"] is not None and not result["gpu"]["covered"]:
+        raise SystemExit("bench_transport: a run's copies ended before its GEMM loop even with more copies: "
+                         "the GPU slowdowns are understated")
+
+
+def _progress(ranks: list[int]):
+    from freescale.progress import bar  # tqdm: only the CPU sections need it
+
+    return bar(ranks, desc="bench_transport", unit="rank count")
 
 
 if __name__ == "__main__":

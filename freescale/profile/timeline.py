@@ -25,9 +25,9 @@ is issued to (the compute stream; the pipelines' side stream for ``exclusive_sen
 ``device_step`` (first to last event) and ``device_compute``: the device time inside
 ``forward``, ``backward`` and ``optimizer`` less the waits nested in them (``WAIT_KINDS``).
 The bubble decomposition then takes compute from the device, not from the host thread, whose
-CPU time on a GPU is mostly launching kernels. A step's record is written once every event in
-it has completed, the side stream's included (asked with ``query()``, never waited for), and
-every record at the end.
+CPU time on a GPU is mostly launching kernels. A step's record is written once its last event
+and the ends of its side-stream spans have completed (asked with ``query()``, never waited
+for), and every record at the end.
 
 Compute is measured, not inferred from spans: on CPU a rank's kernels run on its main thread
 (``run.threads: 1``, what torchrun gives each rank by default) and a rank blocked in a gloo
@@ -228,18 +228,17 @@ class StepTimeline:
                 self._device_spans.append((kind, first, self._clock.mark(stream)))
 
     def _write_completed(self, wait: bool) -> None:
-        """Write the pending steps whose last event has completed, in order (all of them, waiting
-        for the device, when ``wait``)."""
+        """Write the pending steps whose events have all completed, in order (all of them,
+        waiting for the device, when ``wait``). A span on a side stream may end after the
+        step's last event on the current stream (an exchange left running into the next step),
+        and a duration needs both of its events complete: every span's end is asked too."""
         while self._pending:
             record, first, spans, last = self._pending[0]
-            # Every event of the record, not only the compute stream's last: the side stream's
-            # spans (``device_span``) may end after it, and ``elapsed_time`` refuses an event
-            # that has not completed.
-            events = [first, last, *(e for _, e0, e1 in spans for e in (e0, e1))]
+            ends = [last, *(end for _, _, end in spans)]
             if wait:
-                for event in events:
-                    event.synchronize()
-            elif not all(event.query() for event in events):
+                for end in ends:
+                    end.synchronize()
+            elif not all(end.query() for end in ends):
                 return
             self._pending.pop(0)
             at = lambda event: record["start"] + first.elapsed_time(event) / 1000.0  # noqa: E731

@@ -313,6 +313,41 @@ def test_a_high_priority_collective_passes_a_large_normal_one(kind, local_path):
     run_ranks(2, _lanes, kind, local_path)
 
 
+def _two_high_while_normal_in_flight(rank, world):
+    # shm_ring with 4 KiB chunks and 2 slots: a high-lane message of 3 chunks cannot be written
+    # whole until the receiver reads, so a second high-lane collective issued meanwhile would
+    # share the lane's ring with it if both were in flight (their chunks would interleave).
+    cfg = TransportConfig(kind="host_staged", local_path="shm_ring", chunk_kib=4, slots=2, timeout_s=20)
+    t = build_transport(cfg, lanes=2)
+    big = torch.arange(1 << 14, dtype=torch.float64) + rank * 1e6
+    highs = [torch.arange(3 * 512 * world, dtype=torch.float64) + 1e4 * (k + 1) + rank * 1e3 for k in range(2)]
+    splits, thirds = [big.numel() // world] * world, [3 * 512] * world
+    if rank == 1:
+        normal = t.all_to_all_single(big, splits, splits)  # its peer issues it last: in flight throughout
+        time.sleep(0.1)  # the proxy has taken it by now
+        handles = [t.all_to_all_single(h, thirds, thirds, lane=HIGH) for h in highs]
+        time.sleep(0.1)  # ... and the high ones issued while it runs
+        dist.barrier()
+        got = [h.wait() for h in handles]
+        got_normal = normal.wait()
+    else:
+        dist.barrier()  # the peer's high-lane messages wait in the ring, as far as it holds them
+        got = [t.all_to_all_single(h, thirds, thirds, lane=HIGH).wait() for h in highs]
+        got_normal = t.all_to_all_single(big, splits, splits).wait()
+    for mine, h in zip(got, highs):
+        ref = torch.empty_like(h)
+        dist.all_to_all_single(ref, h)
+        assert torch.equal(mine, ref)
+    ref = torch.empty_like(big)
+    dist.all_to_all_single(ref, big)
+    assert torch.equal(got_normal, ref)
+    t.close()
+
+
+def test_high_lane_collectives_issued_while_a_normal_one_runs_pass_it_one_at_a_time():
+    run_ranks(2, _two_high_while_normal_in_flight)
+
+
 def _lanes_across_hosts(rank, world):
     # Each rank names a host of its own, so every byte crosses over gloo point-to-point.
     t = build_transport(TransportConfig(kind="host_staged", host_name=f"host{rank}", timeout_s=10), lanes=2)

@@ -84,7 +84,7 @@ class Op:
 
     key: OpKey
     handle: Handle
-    ready: object  # a CUDA event to wait for before reading ``send``, or None
+    ready: object  # an event whose ``query()`` says ``send`` holds the input (a staging copy), or None
     send: int  # address of the bytes to send (held alive by ``keep``)
     in_offsets: list[int]
     in_bytes: list[int]

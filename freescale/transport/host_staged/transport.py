@@ -43,6 +43,9 @@ from freescale.transport.host_staged.staging import DeviceStaging, needs_staging
 
 log = logging.getLogger("freescale")
 
+FIRST_LOOK_S = 20e-6  # the first look again at a staging copy that was not complete
+LOOK_EVERY_S = 1e-3  # and the longest wait between looks (the wait doubles up to it)
+
 
 class HostStagedTransport:
     name = "host_staged"
@@ -103,7 +106,7 @@ class HostStagedTransport:
         self.wire = wire.Wire(self.rank, self._peers, timeout_s=self.timeout_s, spin_s=cfg.spin_us * 1e-6)
         self.pool = memory.BufferPool(mapped=self.local_path == "mapped")
         self.peer_files = memory.PeerFiles(self.pids)
-        self.staging = DeviceStaging(self.pool) if torch.cuda.is_available() else None
+        self.staging = DeviceStaging(self.pool)
         remote = [r for r in range(self.world_size) if not self.local[r]]
         self.scheduler = Scheduler(self.rank, run=self._execute, on_failure=lambda op: self.wire.fail(op.key))
         self.scheduler.nudge = self.wire.nudge
@@ -250,14 +253,10 @@ class HostStagedTransport:
             raise TransportError(f"host_staged {op}: an earlier collective failed: {self.scheduler.failed}")
         row_shape = tuple(tensor.shape[1:])
         row_bytes = tensor.element_size() * math.prod(row_shape)
-        staged = needs_staging(tensor)
-        out_host = self.pool.take((sum(output_splits), *row_shape), tensor.dtype, pinned=staged)
-        if staged:
-            src, ready = self.staging.to_host(tensor)
-            finish = lambda: self.staging.to_device(out_host, tensor.device)  # noqa: E731
-        else:
-            src, ready = tensor, None
-            finish = lambda: out_host  # noqa: E731
+        out_host = self.pool.take((sum(output_splits), *row_shape), tensor.dtype, pinned=needs_staging(tensor))
+        high = lane > NORMAL
+        src, ready = self.staging.to_host(tensor, high)
+        finish = lambda: self.staging.to_device(out_host, tensor.device, high)  # noqa: E731
         in_bytes = [n * row_bytes for n in input_splits]
         out_bytes = [n * row_bytes for n in output_splits]
         item = Op(
@@ -275,17 +274,37 @@ class HostStagedTransport:
         (stepped until done, sleeping on the wire between steps), then the other hosts' end.
 
         A higher lane's collective issued meanwhile is started here and stepped alongside, before
-        this one each round; this returns once both are over.
+        this one each round; this returns once both are over. One is taken along at a time: a
+        lane's rings carry one collective at a time.
+
+        A collective whose input is still being copied to host memory (``op.ready``, on a GPU)
+        is started once the copy's event says it is complete. The runner asks (``query()``)
+        between rounds and never waits for the event, so the collectives it already runs keep
+        moving meanwhile, and abort and the timeout apply as to any other wait; between looks
+        it sleeps on the wire (a peer's message wakes it sooner), first ``FIRST_LOOK_S``, then
+        twice as long each time up to ``LOOK_EVERY_S``: a short copy is seen soon, a long one
+        costs a look a millisecond, not a core.
         """
-        active = [self._begin(op)]
+        active: list[_Running] = []
+        unstaged = [op]  # taken, but their input is not in host memory yet (higher lane first)
+        along: Op | None = None  # the higher lane's collective taken along, until it is over
         deadline = time.monotonic() + self.timeout_s
         next_check = time.monotonic() + wire.CHECK_S
+        look = FIRST_LOOK_S
         try:
-            while active:
-                passing = self.scheduler.take_passing(op.key.lane)
-                if passing is not None:
-                    active.insert(0, self._begin(passing))
+            while active or unstaged:
+                if along is None:
+                    along = self.scheduler.take_passing(op.key.lane)
+                    if along is not None:
+                        unstaged.insert(0, along)
                 progressed = False
+                for item in list(unstaged):
+                    if item.ready is None or item.ready.query():
+                        unstaged.remove(item)
+                        run = self._begin(item)
+                        active.insert(len(active) if item is op else 0, run)
+                        progressed = True
+                        look = FIRST_LOOK_S
                 for run in list(active):
                     progressed |= run.exchange.step()
                     if run.exchange.done:
@@ -297,35 +316,40 @@ class HostStagedTransport:
                             continue  # the other hosts' part is still on its way
                         progressed = True
                         active.remove(run)
-                        if run.op is not op:
-                            self.scheduler.settle_passing(run.op)
-                if not active:
+                        if run.op is along:
+                            self.scheduler.settle_passing(along)
+                            along = None
+                if not active and not unstaged:
                     break
-                if any(run.op.handle.done.is_set() for run in active):  # aborted
+                if any(item.handle.done.is_set() for item in [*(run.op for run in active), *unstaged]):  # aborted
                     raise RuntimeError(self.scheduler.failed or "aborted")
                 now = time.monotonic()
                 if progressed:
                     deadline = now + self.timeout_s
-                waiting = sorted(set().union(*(run.exchange.waiting_for() for run in active)))
                 if not progressed and now >= deadline:
+                    if unstaged:
+                        raise RuntimeError(f"this rank's input was not copied to host memory within "
+                                           f"{self.timeout_s:g} s (the device has not reached the copy)")
+                    waiting = sorted(set().union(*(run.exchange.waiting_for() for run in active)))
                     raise wire.PeerError(f"no progress for {self.timeout_s:g} s waiting for rank(s) {waiting}")
                 for run in active:
                     self.wire.check(sorted(run.exchange.waiting_for()), run.op.key, pids=now >= next_check)
                 if now >= next_check:
                     next_check = now + wire.CHECK_S
                 if not progressed:
-                    # Rings full: look again soon. Another host's part pending: its waiter nudges the wire.
-                    soon = any(run.exchange.ring_full for run in active)
-                    self.wire.wait(0.001 if soon else min(wire.CHECK_S, max(0.0, deadline - now)))
+                    if unstaged:  # look at the copy again soon, without spinning meanwhile
+                        self.wire.wait(min(look, max(0.0, deadline - now)), spin=False)
+                        look = min(2 * look, LOOK_EVERY_S)
+                    else:
+                        # Rings full: look again soon. Another host's part pending: its waiter nudges the wire.
+                        soon = any(run.exchange.ring_full for run in active)
+                        self.wire.wait(0.001 if soon else min(wire.CHECK_S, max(0.0, deadline - now)))
         except BaseException as e:
-            for run in active:
-                if run.op is not op:
-                    self.scheduler.settle_passing(run.op, e)
+            if along is not None:
+                self.scheduler.settle_passing(along, e)
             raise
 
     def _begin(self, op: Op) -> "_Running":
-        if op.ready is not None:
-            op.ready.synchronize()
         remote = self.remote.start(op)
         lane = op.key.lane
         exchange = LocalExchange(op, self.rank, self.wire, self.inbound[lane], self.outbound[lane], self.pool,

@@ -158,17 +158,17 @@ class Wire:
 
     # Receiving -----------------------------------------------------------------------------
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float, spin: bool = True) -> None:
         """Sleep until a peer says something (or ``timeout``), and file what it said.
 
-        Polls for ``spin_s`` first: waking a sleeping thread costs tens of microseconds or
-        more, the order of a whole small collective. ``timeout`` 0 files what has arrived
-        without waiting.
+        Polls for ``spin_s`` first (unless ``spin`` is False: a caller that waits for something
+        other than a peer): waking a sleeping thread costs tens of microseconds or more, the
+        order of a whole small collective. ``timeout`` 0 files what has arrived without waiting.
         """
         socks = [p.sock for p in self.peers.values() if not p.gone]
         socks += [self._interrupt_r, self._nudge_r]
         readable, _, _ = select.select(socks, [], [], 0)
-        if not readable and self.spin_s and timeout > 0:
+        if not readable and spin and self.spin_s and timeout > 0:
             until = time.perf_counter() + min(self.spin_s, timeout)
             while not readable and time.perf_counter() < until:
                 os.sched_yield()
