@@ -11,7 +11,8 @@
 #   1. tests      pytest tests/gpu/test_torch_*.py: Streams and the copy engine (each ordering
 #                 call shown to matter), host_staged over CUDA tensors against gloo on 2 ranks
 #                 sharing the GPU, the runner passing a copy that waits, the timeline's device
-#                 spans, and whatever else those files hold (the dense model, a sync budget)
+#                 spans, the dense model against the CPU with no host-device sync in its
+#                 forward (the sync budget on real CUDA), the catch-up copy's stream order
 #   2. copies     a GEMM loop's slowdown beside SM copies and beside copy-engine copies that
 #                 outlast it (bench_transport.py --gpu-only) -> bench_transport_gpu.json
 # --tier full needs scripts/setup.sh's stack (TorchRec, fbgemm-gpu, torchft). Steps:
@@ -104,7 +105,8 @@ torch_steps=(
 )
 torch_needs="Python >= 3.10, a CUDA build of torch >= 2.11, and $requirements (numpy, pyyaml, pytest, pytest-timeout); no TorchRec, fbgemm-gpu or torchft"
 torch_files=("${torch_tests[@]}" tests/gpu/test_torch_streams.py tests/gpu/test_torch_copy_engine.py
-             tests/gpu/test_torch_transport.py tests/gpu/test_torch_timeline.py tests/conftest.py
+             tests/gpu/test_torch_transport.py tests/gpu/test_torch_timeline.py tests/gpu/test_torch_dense.py
+             tests/helpers/syncs.py tests/conftest.py
              tests/helpers/spawn.py tests/helpers/cuda.py scripts/bench_transport.py
              freescale/transport/sm_contention.py "$requirements")
 torch_modules="numpy yaml pytest"

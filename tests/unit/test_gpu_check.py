@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "gpu_check.sh"
 TORCH_TIER_TESTS = sorted((ROOT / "tests" / "gpu").glob("test_torch_*.py"))
-TEST_HELPERS = [ROOT / "tests" / "helpers" / "spawn.py", ROOT / "tests" / "helpers" / "cuda.py"]
+TEST_HELPERS = [ROOT / "tests" / "helpers" / name for name in ("spawn.py", "cuda.py", "syncs.py")]
 
 # What the torch tier may import: a CUDA build of torch has these, or they are small wheels
 # (scripts/requirements-gpu-torch.txt), or they are FreeScale's torch-only modules.
@@ -24,8 +24,8 @@ THIRD_PARTY = {"torch", "numpy", "pytest"}
 FREESCALE = ("freescale.device", "freescale.transport", "freescale.transport.base", "freescale.transport.torch_dist",
              "freescale.transport.host_staged", "freescale.transport.registry", "freescale.profile.timeline",
              "freescale.model.seqrec", "freescale.model.jagged_attention", "freescale.distributed",
-             "freescale.config", "freescale.errors", "freescale.env")
-HELPERS = {"helpers.spawn", "helpers.cuda"}
+             "freescale.config", "freescale.errors", "freescale.env", "freescale.ft.catchup", "freescale.data.features")
+HELPERS = {"helpers.spawn", "helpers.cuda", "helpers.syncs"}
 HEAVY = ("torchrec", "fbgemm_gpu", "torchft")
 
 
