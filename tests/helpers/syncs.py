@@ -16,8 +16,9 @@ buffers of the ``modules`` given, and everything computed from any of those. Wha
 keeps on the host (a batch's lengths, the routes, the masks) stays untainted, so reading it is
 free, as it is on a GPU.
 
-``events`` holds ("sync", what) in order; a caller may put markers of its own between them
-(e.g. a timeline's ("open", "forward")) to see where each happened.
+``events`` holds ("sync", what) in order (on a GPU also ("library sync", what) for those inside
+fbgemm, TorchRec or torchft); a caller may put markers of its own between them (e.g. a
+timeline's ("open", "forward")) to see where each happened.
 """
 
 from __future__ import annotations
@@ -80,12 +81,12 @@ class SyncCounter(TorchDispatchMode):
 
     def count(self, what: str) -> None:
         library, where = _caller()
-        # On CPU a library's own code runs its CPU path, not the one it runs on a GPU (fbgemm's
-        # CPU kernels, say): what it does there says nothing of a GPU run, so only FreeScale's
-        # code is counted. On a GPU everything is.
+        # A library's own syncs (fbgemm's, TorchRec's) are not FreeScale's to budget: on a GPU
+        # they are noted apart; on CPU, where a library runs its CPU path rather than the one it
+        # runs on a GPU, they say nothing of a GPU run and are left out.
         if library and self.simulated:
             return
-        self.events.append(("sync", f"{what} at {where}"))
+        self.events.append(("library sync" if library else "sync", f"{what} at {where}"))
 
     @property
     def syncs(self) -> list[str]:
