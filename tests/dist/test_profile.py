@@ -4,17 +4,20 @@ import json
 
 import pytest
 
+from helpers.busy import busy_core
 from helpers.launch import FAST, QUICKSTART, check, freescale, torchrun
 
 pytestmark = pytest.mark.slow
 
+# (One intra-op thread per rank: a rank's compute is then its main thread's, which is what the
+# profile measures.)
 EVEN = ["--data.synthetic.tail_prob=0", "--data.synthetic.sigma=0.1", "--profile.enable=true",
-        "--profile.warmup_steps=3", "--train.steps=15", "--checkpoint.at_end=false"]
+        "--profile.warmup_steps=3", "--train.steps=15", "--checkpoint.at_end=false", "--run.threads=1"]
 
 
-def profiled_run(tmp_path, name, *extra):
+def profiled_run(tmp_path, name, *extra, cpus=None):
     run_dir = tmp_path / name
-    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *EVEN, f"--run.dir={run_dir}", *extra))
+    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *EVEN, f"--run.dir={run_dir}", *extra, cpus=cpus))
     return run_dir
 
 
@@ -24,11 +27,20 @@ def per_rank(run_dir):
 
 
 def test_injected_straggler_is_measured_and_compared(tmp_path):
-    delayed = profiled_run(tmp_path, "delayed", "--profile.delay_ranks=[1]", "--profile.delay_ms=200")
+    # Rank 1 spins 200 ms of wall time each step beside its compute, and rank 0 waits for it in
+    # the step's first collective. The run shares one core with a CPU-bound process, as on a busy
+    # machine, whatever else this one runs: rank 1's spin gets part of the core and waits for it
+    # the rest, and its compute still ends 200 ms late. Rank 0's wait must be measured as that,
+    # not as rank 1's CPU time (about half of it here), the rest left to exposed communication.
+    with busy_core() as core:
+        delayed = profiled_run(tmp_path, "delayed", "--profile.delay_ranks=[1]", "--profile.delay_ms=200", cpus=core)
     report, ranks = per_rank(delayed)
+    assert ranks[1]["cpu_wait_ms"] > 50.0, ranks  # the core was busy: the spin did not get all of it
     assert abs(ranks[0]["straggler_bubble_ms"] - 200.0) <= 0.25 * 200.0, ranks
     assert ranks[1]["straggler_bubble_ms"] < 20.0, ranks
-    assert ranks[1]["compute_ms"] > ranks[0]["compute_ms"] + 150.0, ranks
+    # The delay is rank 1's own time: computing, or ready to compute and waiting for the core.
+    own = {r: ranks[r]["compute_ms"] + ranks[r]["cpu_wait_ms"] for r in ranks}
+    assert own[1] > own[0] + 150.0, ranks
     assert report["summary"]["steps"] == 12 and report["summary"]["ranks"] == 2
     for name in ("report.html", "gantt.png", "breakdown.png", "straggler_hist.png", "compute_vs_workload.png"):
         assert (delayed / "report" / name).stat().st_size > 1000, name
