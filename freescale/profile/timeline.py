@@ -82,10 +82,14 @@ class CpuWaitClock:
     def open(cls) -> "CpuWaitClock | None":
         try:
             clock = cls(os.open(cls.PATH, os.O_RDONLY))
-            clock.read()
-            return clock
-        except (OSError, ValueError, IndexError):
+        except OSError:
             return None
+        try:
+            clock.read()
+        except (OSError, ValueError, IndexError):
+            clock.close()
+            return None
+        return clock
 
     def read(self) -> float:
         return int(os.pread(self.fd, 128, 0).split()[1]) / 1e9
