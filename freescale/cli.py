@@ -21,7 +21,7 @@ import argparse
 import os
 import sys
 
-from freescale.config import ConfigError, describe, dump_yaml, load_config
+from freescale.config import TOP_LEVEL_KEYS, ConfigError, describe, dump_yaml, load_config
 from freescale.errors import first_line
 
 EXIT_USAGE = 2
@@ -105,12 +105,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _split_overrides(extra: list[str]) -> list[str]:
-    """``--a.b=1`` and ``--a.b 1`` forms; anything else is a usage error."""
+    """``--a.b=1`` and ``--a.b 1`` forms, and a top-level key's (``--faults=[...]``); anything else
+    is a usage error."""
     overrides = []
     i = 0
     while i < len(extra):
         arg = extra[i]
-        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+        key = arg.split("=", 1)[0]
+        if not arg.startswith("--") or ("." not in key and key[2:] not in TOP_LEVEL_KEYS):
             raise ConfigError(f"unrecognized argument '{arg}' (config overrides look like --section.key=value)")
         if "=" not in arg:
             if i + 1 >= len(extra):

@@ -260,8 +260,8 @@ class FaultConfig:
     """Ranks (within the replica) that fail; empty = every rank."""
     replicas: list[int] = field(default_factory=list)
     """Under the replica layer: the replica groups that fail (empty = every group); the fault then strikes once per run folder."""
-    kind: Literal["raise", "exit", "delay"] = "raise"
-    """raise: an exception (a bug, a failed transfer); exit: the process ends at once, as a crash would; delay: the rank stalls for fault.delay_s."""
+    kind: Literal["raise", "exit", "delay", "hold"] = "raise"
+    """raise: an exception (a bug, a failed transfer); exit: the process ends at once, as a crash would; delay: the rank stalls for fault.delay_s; hold (during: vote, replica layer): the group votes against the step, trained again, until every replica group is in it (a barrier a group coming back meets)."""
     during: Literal["step", "quorum", "allreduce", "vote", "recover"] = "step"
     """Where in the step: as it begins, or under the replica layer in the step's quorum, its first cross-replica all-reduce, its vote (after every collective of the step), or while this group fetches a live peer's state (recover: at its first catch-up at or after fault.at_step)."""
     delay_s: Annotated[float, Range(min=0.0)] = 5.0
@@ -376,6 +376,8 @@ class ExperimentConfig:
     """Bubble profiling: step timelines, the report, straggler injection."""
     fault: FaultConfig = field(default_factory=FaultConfig)
     """Declared fault injection (off by default)."""
+    faults: list[FaultConfig] = field(default_factory=list)
+    """More declared faults, each a section with fault's keys (e.g. one group exits while another holds); every one strikes."""
     ft: FTConfig = field(default_factory=FTConfig)
     """The fault-tolerant replica layer on torchft (off by default)."""
     sim: SimConfig = field(default_factory=SimConfig)
@@ -385,6 +387,9 @@ class ExperimentConfig:
 # --------------------------------------------------------------------------------------------
 # Loading
 # --------------------------------------------------------------------------------------------
+
+TOP_LEVEL_KEYS = frozenset(f.name for f in dataclasses.fields(ExperimentConfig))
+"""The first part of every dotted key: the sections, and ``faults``, a list set whole."""
 
 
 def load_config(path: str | os.PathLike | None = None, overrides: list[str] | None = None) -> ExperimentConfig:
@@ -507,6 +512,9 @@ def _check_key_path(key: str) -> None:
     cls: Any = ExperimentConfig
     parts = key.split(".")
     for i, part in enumerate(parts):
+        if typing.get_origin(cls) is list:
+            raise ConfigError(f"unknown config key '{key}' ('{'.'.join(parts[:i])}' is a list: set it whole, "
+                              f"--{'.'.join(parts[:i])}=[...])")
         if not dataclasses.is_dataclass(cls):
             raise ConfigError(f"unknown config key '{key}' ('{'.'.join(parts[:i])}' is not a section)")
         fields = {f.name: f for f in dataclasses.fields(cls)}
@@ -557,10 +565,11 @@ def _coerce(tp: Any, value: Any, dotted: str) -> Any:
         return value
     if origin in (list, typing.List):
         (item_tp,) = typing.get_args(tp)
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not dataclasses.is_dataclass(item_tp):
             value = [value]
         if not isinstance(value, list):
-            raise ConfigError(f"{dotted}: expected a list of {item_tp.__name__}, got {_kind(value)}")
+            what = "sections (mappings of keys)" if dataclasses.is_dataclass(item_tp) else item_tp.__name__
+            raise ConfigError(f"{dotted}: expected a list of {what}, got {_kind(value)}")
         return [_coerce(item_tp, v, f"{dotted}[{i}]") for i, v in enumerate(value)]
     if origin in (Union, types.UnionType):
         raise TypeError(f"{dotted}: union types are not supported in the config tree")
@@ -615,8 +624,6 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"profile.trace_steps: expected [first, last] with 1 <= first <= last, got {trace}")
     if any(r < 0 for r in cfg.profile.delay_ranks):
         raise ConfigError(f"profile.delay_ranks: expected rank numbers >= 0, got {cfg.profile.delay_ranks}")
-    if any(r < 0 for r in cfg.fault.ranks):
-        raise ConfigError(f"fault.ranks: expected rank numbers >= 0, got {cfg.fault.ranks}")
     if cfg.balance.cost_model and not os.path.isfile(cfg.balance.cost_model):
         raise ConfigError(f"balance.cost_model: file not found: {cfg.balance.cost_model}")
     if cfg.checkpoint.resume and not os.path.isdir(cfg.checkpoint.resume):
@@ -631,12 +638,27 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
                           "prioritized or sync, got base")
     if any(r < 1 for r in cfg.sim.ranks):
         raise ConfigError(f"sim.ranks: expected rank counts >= 1, got {cfg.sim.ranks}")
-    if cfg.fault.during != "step" and not ft.enable:
-        raise ConfigError(f"fault.during: {cfg.fault.during} needs the replica layer (ft.enable: true)")
-    if cfg.fault.fail_commit_at and not ft.enable:
-        raise ConfigError("fault.fail_commit_at: needs the replica layer (ft.enable: true)")
-    if any(s < 1 for s in cfg.fault.fail_commit_at):
-        raise ConfigError(f"fault.fail_commit_at: expected steps >= 1, got {cfg.fault.fail_commit_at}")
+    for name, fault in declared_faults(cfg):
+        _check_fault(name, fault, ft.enable)
+
+
+def declared_faults(cfg: ExperimentConfig) -> list[tuple[str, FaultConfig]]:
+    """Every fault section with its dotted name: ``fault``, then ``faults[i]``."""
+    return [("fault", cfg.fault), *((f"faults[{i}]", f) for i, f in enumerate(cfg.faults))]
+
+
+def _check_fault(name: str, fault: FaultConfig, replica_layer: bool) -> None:
+    if any(r < 0 for r in fault.ranks):
+        raise ConfigError(f"{name}.ranks: expected rank numbers >= 0, got {fault.ranks}")
+    if fault.during != "step" and not replica_layer:
+        raise ConfigError(f"{name}.during: {fault.during} needs the replica layer (ft.enable: true)")
+    if fault.kind == "hold" and fault.during != "vote":
+        raise ConfigError(f"{name}.kind: hold holds a replica group at its vote: expected {name}.during: vote, "
+                          f"got {fault.during}")
+    if fault.fail_commit_at and not replica_layer:
+        raise ConfigError(f"{name}.fail_commit_at: needs the replica layer (ft.enable: true)")
+    if any(s < 1 for s in fault.fail_commit_at):
+        raise ConfigError(f"{name}.fail_commit_at: expected steps >= 1, got {fault.fail_commit_at}")
 
 
 def _kind(value: Any) -> str:

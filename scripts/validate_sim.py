@@ -137,7 +137,7 @@ def fit_rank_costs(run_dir: str, cfg, ranks: int, model, warmup: int) -> dict:
         steps.setdefault(s.step, []).append(len(compute))
         predicted.append(float(model.cost(samples.uih_lengths, samples.cand_counts).sum()))
         compute.append(s.C)
-        late.append(s.start + s.D + s.C)  # where the profiler puts the end of the rank's compute
+        late.append(s.start + s.D + s.C + s.R)  # where the profiler puts the end of the rank's compute
     predicted, compute, late = np.array(predicted), np.array(compute), np.array(late)
     # compute = scale x the cost model + overhead, least squares over the rank-steps: the
     # training step's per-sample speed against the calibration's, and its fixed work.

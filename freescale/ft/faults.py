@@ -6,7 +6,9 @@ so the replica layer itself has no fault branch (the shape of torchft's own
 - ``FaultyProcessGroup``: the step's cross-replica all-reduces (``fault.during: allreduce``);
 - ``FaultyTransport``: fetching a live peer's state (``fault.during: recover``);
 - ``FaultyManager``: the step's quorum (``fault.during: quorum``), its vote
-  (``fault.during: vote``) and declared commit failures (``fault.fail_commit_at``: the group
+  (``fault.during: vote``), holds (``fault.kind: hold``: the group votes against the step until
+  every group is in it, waiting ``HOLD_RETRY_S`` before each vote against so that it trains the
+  step again at a calm pace) and declared commit failures (``fault.fail_commit_at``: the group
   votes against those steps once each).
 
 ``wrap_*`` return the part itself when nothing is declared there.
@@ -14,6 +16,7 @@ so the replica layer itself has no fault branch (the shape of torchft's own
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 from torchft.checkpointing.transport import CheckpointTransport
@@ -65,13 +68,22 @@ class FaultyTransport(CheckpointTransport):
         self.transport.shutdown(wait)
 
 
-class FaultyManager:
-    """torchft's manager, with the declared fault at the quorum or the vote and the declared commit failures."""
+# A held group's pause before each vote against: the quorum a returning group joins is at most
+# this far off, and the held group does not spin through its step meanwhile.
+HOLD_RETRY_S = 0.1
 
-    def __init__(self, manager, faults, fail_commit_at: list[int]) -> None:
+
+class FaultyManager:
+    """torchft's manager, with the declared faults at the quorum or the vote, holds and the
+    declared commit failures. ``groups_in_step``: the replica groups in the step being voted on
+    (a group catching up counts), of ``groups``."""
+
+    def __init__(self, manager, faults, groups_in_step: Callable[[], int], groups: int) -> None:
         self.manager = manager
         self.faults = faults
-        self.fail_commit_at = set(fail_commit_at)
+        self.fail_commit_at = set(faults.fail_commit_at)
+        self.groups_in_step = groups_in_step
+        self.groups = groups
 
     def start_quorum(self, *args, **kwargs) -> None:
         self.faults.at("quorum", self.manager.current_step() + 1)
@@ -80,7 +92,11 @@ class FaultyManager:
     def should_commit(self, *args, **kwargs) -> bool:
         step = self.manager.current_step() + 1
         self.faults.at("vote", step)
-        if step in self.fail_commit_at:
+        held = self.faults.hold(step, self.groups_in_step(), self.groups)
+        if held:
+            time.sleep(HOLD_RETRY_S)
+            self.manager.report_error(InjectedFault(held))
+        elif step in self.fail_commit_at:
             self.fail_commit_at.discard(step)  # the step trained again commits
             self.manager.report_error(InjectedFault(f"injected commit failure at step {step}"))
         return self.manager.should_commit(*args, **kwargs)
@@ -97,7 +113,5 @@ def wrap_transport(transport, faults):
     return transport if isinstance(faults, NullFaults) else FaultyTransport(transport, faults)
 
 
-def wrap_manager(manager, faults, fail_commit_at: list[int]):
-    if isinstance(faults, NullFaults) and not fail_commit_at:
-        return manager
-    return FaultyManager(manager, faults, fail_commit_at)
+def wrap_manager(manager, faults, groups_in_step: Callable[[], int], groups: int):
+    return manager if isinstance(faults, NullFaults) else FaultyManager(manager, faults, groups_in_step, groups)

@@ -197,8 +197,7 @@ class ReplicaLayer:
             checkpoint_transport=wrap_transport(HTTPTransport(timeout=timeout, num_chunks=0), faults),
             init_sync=False,  # every group draws the same initial weights from run.seed
         )
-        fail_commit_at = cfg.fault.fail_commit_at if not cfg.fault.replicas or self.replica in cfg.fault.replicas else []
-        self.manager = wrap_manager(manager, faults, fail_commit_at)
+        self.manager = wrap_manager(manager, faults, self._members, self.replicas)
         self._put_back_step()
 
     @property
@@ -386,10 +385,14 @@ class ReplicaLayer:
         if not self.manager.errored():  # (a rank's own failure is the cause to report)
             self.manager.report_error(RuntimeError(message))
 
+    def _members(self) -> int:
+        """Groups in the step's quorum, a group catching up included (0 before its header)."""
+        return int(self._header.members.sum()) if self._header is not None else 0
+
     def _check_members(self) -> None:
         """``ft.min_replicas``: groups in the step's quorum, a group catching up included (it
         counts for the quorum, and must be able to commit the step it catches up in)."""
-        members = int(self._header.members.sum()) if self._header is not None else 0
+        members = self._members()
         if members < self.cfg.min_replicas and not self.manager.errored():
             self.manager.report_error(RuntimeError(f"{members} replica group(s) in the step, "
                                                    f"ft.min_replicas is {self.cfg.min_replicas}"))

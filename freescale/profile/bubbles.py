@@ -1,17 +1,22 @@
 """Bubble arithmetic on step records (pure; see docs/design.md, "Measures").
 
-Per rank ``r`` and step, from a record (``start``, ``end``, main-thread ``cpu``, ``data``
-spans and their ``data_cpu``):
+Per rank ``r`` and step, from a record (``start``, ``end``, main-thread ``cpu`` and
+``cpu_wait``, ``data`` spans and their ``data_cpu`` and ``data_cpu_wait``):
 
 - ``T`` = end - start (step wall time);
 - ``D`` = time in ``data`` spans (waiting for the loader);
 - ``C`` = cpu - data_cpu (own compute: the CPU the rank spent outside data loading); on a GPU,
   ``device_compute`` (device time in the compute spans less the waits in them, from CUDA
   events), and ``T`` is at least the device's step (``device_step``);
-- ``W`` = T - C - D (blocked in communication);
-- compute end = start + D + C: when ``r`` would be done if it never waited for anyone;
-- straggler bubble = max over peers of their compute end minus ``r``'s, within ``W``;
-- exposed communication = W - straggler bubble.
+- ``R`` = cpu_wait - data_cpu_wait (ready to compute, waiting for a core: on a busy machine
+  the rank's compute takes ``C + R`` of wall time); 0 on a GPU and where it was not recorded;
+- ``W`` = T - C - D (not computing: blocked in communication, or waiting for a core);
+- compute end = start + D + C + R: when ``r`` would be done, on the wall clock, if it never
+  waited for anyone;
+- straggler bubble = max over peers of their compute end minus ``r``'s, within ``W - R``
+  (a rank waits for its peers only while it is blocked);
+- exposed communication = W - straggler bubble (``R`` included: time a rank is off its core
+  beside its communication is exposed to the step, as the simulator prices it).
 
 Per run: bubble fraction = mean of (T - C) / T over ranks and steps after warm-up (with
 p50/p90/max); straggler % = mean straggler bubble / mean step time.
@@ -32,6 +37,7 @@ class RankStep:
     T: float
     C: float
     D: float
+    R: float
     W: float
     straggler: float
     exposed: float
@@ -54,6 +60,15 @@ def _compute(record: dict) -> float:
     return record["cpu"] - record.get("data_cpu", 0.0)
 
 
+def _cpu_wait(record: dict) -> float:
+    """The rank's time ready to compute but waiting for a core, outside data loading (none when
+    compute comes from the device, whose work no busy host thread delays, or when the record
+    does not have it)."""
+    if "device_compute" in record:
+        return 0.0
+    return record.get("cpu_wait", 0.0) - record.get("data_cpu_wait", 0.0)
+
+
 def decompose(steps_by_rank: dict[int, list[dict]]) -> list[RankStep]:
     """Decompose every step that all ranks recorded."""
     by_step = {r: {rec["step"]: rec for rec in recs} for r, recs in steps_by_rank.items()}
@@ -66,12 +81,13 @@ def decompose(steps_by_rank: dict[int, list[dict]]) -> list[RankStep]:
             T = max(rec["end"] - rec["start"], rec.get("device_step", 0.0), 0.0)
             D = min(_data_time(rec), T)
             C = min(max(_compute(rec), 0.0), T - D)
-            rows.append((rank, rec, T, C, D, rec["start"] + D + C))
-        last_end = max(r[5] for r in rows)
-        for rank, rec, T, C, D, compute_end in rows:
+            R = min(max(_cpu_wait(rec), 0.0), T - D - C)
+            rows.append((rank, rec, T, C, D, R, rec["start"] + D + C + R))
+        last_end = max(r[6] for r in rows)
+        for rank, rec, T, C, D, R, compute_end in rows:
             W = T - C - D
-            straggler = min(max(last_end - compute_end, 0.0), W)
-            out.append(RankStep(rank=rank, step=step, start=rec["start"], T=T, C=C, D=D, W=W,
+            straggler = min(max(last_end - compute_end, 0.0), W - R)
+            out.append(RankStep(rank=rank, step=step, start=rec["start"], T=T, C=C, D=D, R=R, W=W,
                                 straggler=straggler, exposed=W - straggler, uih_tokens=rec.get("uih_tokens", 0)))
     return out
 
@@ -94,6 +110,7 @@ def summarize(rank_steps: list[RankStep], warmup_steps: int = 0) -> dict:
         kept, warmup_steps = list(rank_steps), 0
     arr = lambda f: np.array([f(s) for s in kept], dtype=np.float64)
     T, C, D, S, E = arr(lambda s: s.T), arr(lambda s: s.C), arr(lambda s: s.D), arr(lambda s: s.straggler), arr(lambda s: s.exposed)
+    R = arr(lambda s: s.R)
     bubble = arr(lambda s: s.bubble_fraction)
     ranks = sorted({s.rank for s in kept})
     steps = sorted({s.step for s in kept})
@@ -105,6 +122,7 @@ def summarize(rank_steps: list[RankStep], warmup_steps: int = 0) -> dict:
         "straggler_pct": round(100.0 * float(S.mean() / T.mean()), 4),
         "exposed_comm_ms_per_step": _ms(E.mean()),
         "data_wait_ms_per_step": _ms(D.mean()),
+        "cpu_wait_ms_per_step": _ms(R.mean()),
         "straggler_bubble_ms_per_step": _ms(S.mean()),
         "straggler_bubble_ms_p50": _ms(np.percentile(S, 50)),
         "straggler_bubble_ms_p90": _ms(np.percentile(S, 90)),
@@ -129,6 +147,7 @@ def summarize(rank_steps: list[RankStep], warmup_steps: int = 0) -> dict:
             "straggler_bubble_ms": _ms(mean(lambda s: s.straggler)),
             "exposed_comm_ms": _ms(mean(lambda s: s.exposed)),
             "data_wait_ms": _ms(mean(lambda s: s.D)),
+            "cpu_wait_ms": _ms(mean(lambda s: s.R)),
             "bubble_fraction": round(mean(lambda s: s.bubble_fraction), 6),
             "uih_tokens_per_step": round(mean(lambda s: s.uih_tokens), 2),
         })

@@ -142,7 +142,7 @@ def _plot_gantt(data: dict, window: int):
                         color=PHASE_COLORS.get(kind, "#34495e"))
             ax.text(1000 * (rec["start"] - t0), y + 0.45, f"{rec['step']}", fontsize=7, va="bottom")
         for s in (s for s in data["rank_steps"] if s["rank"] == rank and s["step"] in shown and s["straggler"] > 0):
-            compute_end = s["start"] + s["D"] + s["C"]
+            compute_end = s["start"] + s["D"] + s["C"] + s["R"]
             ax.barh(y - 0.38, 1000 * s["straggler"], left=1000 * (compute_end - t0), height=0.12, color="#222222")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="#fdecea", edgecolor="#c0392b"))
@@ -236,6 +236,7 @@ _SUMMARY_LABELS = {
     "straggler_bubble_ms_max": "straggler bubble max (ms)",
     "exposed_comm_ms_per_step": "exposed communication (ms/step)",
     "data_wait_ms_per_step": "data wait (ms/step)",
+    "cpu_wait_ms_per_step": "waiting for a core (ms/step, within exposed communication)",
     "collision_rate": "collision rate (rows batch i+1 reads that batch i writes)",
     "collision_wait_ms_per_step": "collision rows and gradients wait (ms/step)",
     "exclusive_wait_ms_per_step": "exclusive rows and deferred gradients wait (ms/step)",
@@ -265,8 +266,8 @@ def _fmt(v) -> str:
 
 
 def _per_rank_table(per_rank: list[dict]) -> str:
-    cols = ["rank", "step_ms", "compute_ms", "straggler_bubble_ms", "exposed_comm_ms", "data_wait_ms", "bubble_fraction",
-            "uih_tokens_per_step"]
+    cols = ["rank", "step_ms", "compute_ms", "straggler_bubble_ms", "exposed_comm_ms", "cpu_wait_ms", "data_wait_ms",
+            "bubble_fraction", "uih_tokens_per_step"]
     return _table(cols, [[p[c] for c in cols] for p in per_rank])
 
 
@@ -275,7 +276,8 @@ def _html_single(data: dict, out: str, images: list[str]) -> str:
     rows = [[label, s[key]] for key, label in _SUMMARY_LABELS.items() if key in s]
     body = [f"<h1>Bubble report: {html.escape(_title(data['run_dir']))}</h1>",
             f"<p>Steps {s['first_step']}-{s['last_step']} after {s['warmup_steps']} warm-up steps, {s['ranks']} ranks. "
-            "Straggler bubble: time a rank waits for slower peers; exposed communication: the rest of its waiting.</p>",
+            "Straggler bubble: time a rank waits for slower peers; exposed communication: the rest of its waiting, "
+            "time it was ready to compute but waited for a core (a busy machine) included.</p>",
             _table(["measure", "value"], rows), "<h2>Per rank (ms per step)</h2>", _per_rank_table(data["per_rank"])]
     body += [f"<h2>{html.escape(name[:-4].replace('_', ' '))}</h2>{_img(os.path.join(out, name))}" for name in images]
     return _page(f"Bubble report: {_title(data['run_dir'])}", body)

@@ -3,11 +3,14 @@
 A step record holds the step's wall-clock start and end (``time.time()`` plus this rank's
 clock offset, so records of ranks on different hosts line up), the CPU time the rank's main
 thread spent in the step (``cpu``), the CPU all the rank's threads spent in it
-(``process_cpu``: the main thread's plus the loader's, gloo's and the transport's), spans
-of the phases the trainer can see, and the main thread's CPU in each kind of span
-(``span_cpu``: a span's wall time beyond it is waiting inside that phase):
+(``process_cpu``: the main thread's plus the loader's, gloo's and the transport's), the time
+the main thread was ready to run but waited for a core (``cpu_wait``, Linux's run delay from
+``/proc/thread-self/schedstat``; left out where the kernel does not report it), spans of the
+phases the trainer can see, and the main thread's CPU in each kind of span (``span_cpu``: a
+span's wall time beyond it is waiting inside that phase):
 
-- ``data``: waiting for the loader (its CPU time is kept apart as ``data_cpu``);
+- ``data``: waiting for the loader (its CPU time is kept apart as ``data_cpu``, its wait for a
+  core as ``data_cpu_wait``);
 - ``forward``, ``backward``, ``optimizer``: the model's phases (backward runs from the end of
   forward to the optimizer step, so it includes gradient reduction);
 - ``input_dist``: TorchRec's id all-to-all for the next batch (sparse-dist pipeline);
@@ -32,7 +35,9 @@ for), and every record at the end.
 Compute is measured, not inferred from spans: on CPU a rank's kernels run on its main thread
 (``run.threads: 1``, what torchrun gives each rank by default) and a rank blocked in a gloo
 collective sleeps, so the main thread's CPU time is its own compute and the rest of the step
-is waiting. ``freescale.profile.bubbles`` turns the records into the bubble measures.
+is waiting: asleep in a collective, or, on a busy machine, ready to compute while other work
+holds the cores (``cpu_wait``: a rank's compute then ends that much later on the wall clock).
+``freescale.profile.bubbles`` turns the records into the bubble measures.
 
 Every span is also a ``torch.profiler.record_function`` range named ``freescale.<kind>`` (and
 the balancer's ``freescale.balance``, the replica layer's ``freescale.catch_up``, the pipelines'
@@ -61,6 +66,37 @@ WAIT_KINDS = ("data", "input_dist", "id_wait", "flags_wait", "exclusive_wait", "
 
 def rank_file(run_dir: str, rank: int) -> str:
     return os.path.join(run_dir, PROFILE_DIR, f"rank{rank}.jsonl")
+
+
+class CpuWaitClock:
+    """The calling thread's time ready to run but waiting for a core, in seconds (the run delay
+    Linux keeps per thread, ``/proc/thread-self/schedstat``'s second field), read through a
+    descriptor opened once: ``read()`` costs about a microsecond. ``None`` from ``open`` where
+    the kernel does not report it."""
+
+    PATH = "/proc/thread-self/schedstat"
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    @classmethod
+    def open(cls) -> "CpuWaitClock | None":
+        try:
+            clock = cls(os.open(cls.PATH, os.O_RDONLY))
+        except OSError:
+            return None
+        try:
+            clock.read()
+        except (OSError, ValueError, IndexError):
+            clock.close()
+            return None
+        return clock
+
+    def read(self) -> float:
+        return int(os.pread(self.fd, 128, 0).split()[1]) / 1e9
+
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 def phase(kind: str):
@@ -130,6 +166,7 @@ class StepTimeline:
         self._device_open: dict[str, object] = {}
         self._device_spans: list = []
         self._pending: list = []  # (record, first event, spans' events, last event) not yet written
+        self._cpu_wait = CpuWaitClock.open()  # this (the main) thread's wait for a core
 
     def now(self) -> float:
         return time.time() + self.offset
@@ -149,8 +186,10 @@ class StepTimeline:
         self._notes = {}
         self._span_cpu = {}
         self._data_cpu = 0.0
+        self._data_cpu_wait = 0.0
         self._in_step = True
         self._cpu0 = time.thread_time()
+        self._cpu_wait0 = self._waited_for_core()
         self._process_cpu0 = time.process_time()
         self._start = self.now()
         if self._clock is not None:
@@ -172,6 +211,9 @@ class StepTimeline:
             "spans": self._spans, "samples": int(output.sample_ids.numel()),
             "uih_tokens": int(output.uih_lengths.sum()), **self._notes,
         }
+        if self._cpu_wait is not None:
+            record["cpu_wait"] = self._waited_for_core() - self._cpu_wait0
+            record["data_cpu_wait"] = self._data_cpu_wait
         if self._clock is None:
             self._write(record)
         else:
@@ -257,20 +299,27 @@ class StepTimeline:
 
     def timed_batches(self, batches: Iterator) -> Iterator:
         """Wrap the loader iterator: time in ``next()`` is the ``data`` span."""
-        for_cpu = time.thread_time
+        for_cpu, for_core = time.thread_time, self._waited_for_core
         while True:
-            cpu0 = for_cpu()
+            cpu0, core0 = for_cpu(), for_core()
             self.open("data")
             try:
                 batch = next(batches)
             finally:
                 self.close("data")
                 self._data_cpu += for_cpu() - cpu0
+                self._data_cpu_wait += for_core() - core0
             yield batch
+
+    def _waited_for_core(self) -> float:
+        return self._cpu_wait.read() if self._cpu_wait is not None else 0.0
 
     def finish(self) -> None:
         self._write_completed(wait=True)
         self._file.close()
+        if self._cpu_wait is not None:
+            self._cpu_wait.close()
+            self._cpu_wait = None
 
     def _write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")

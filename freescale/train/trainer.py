@@ -32,7 +32,7 @@ import torch.distributed as dist
 from freescale import distributed
 from freescale.balance.balancer import build_balancer
 from freescale.balance.cost import CostModel, load_cost_model
-from freescale.config import ExperimentConfig, write_config
+from freescale.config import ExperimentConfig, declared_faults, write_config
 from freescale.data.loader import BatchLoader, SampleSource, build_sources, eval_batches
 from freescale.distributed import Topology
 from freescale.faults import build_faults
@@ -172,7 +172,8 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     # The replica layer (a NullReplica when ft is off) and the pipeline. A group that has run
     # before settles its state with the others before it draws a batch: it catches up from a
     # live group that is ahead, or, when every group was lost, loads the job's newest checkpoint.
-    faults = build_faults(cfg.fault, topo.rank, cfg.ft.replica_id if cfg.ft.enable else None, run_dir)
+    faults = build_faults([f for _, f in declared_faults(cfg)], topo.rank, cfg.ft.replica_id if cfg.ft.enable else None,
+                          run_dir)
     replica = build_replica(cfg, topo, state, training.dense_parameters(), training.dense_optimizer,
                             training.table_side(), faults, run_dir)
     closing.callback(replica.close)

@@ -203,9 +203,17 @@ def test_a_group_whose_allreduce_fails_releases_the_others_at_once(tmp_path):
 @pytest.mark.parametrize("pipeline", ["sparse_dist", "prioritized"])
 def test_a_group_killed_inside_the_cross_replica_allreduce(tmp_path, pipeline):
     run = tmp_path / "run"
-    # Step 150: both groups are up by then, however far apart they started.
+    # Group 1 exits inside the all-reduce of step 150 and is restarted at once; group 0 trains on
+    # alone. The order of events is held by holds (a group votes against its step until every
+    # group is in it), not by guesses of how long things take: both groups hold at step 1, so
+    # group 1 trains step 150 itself rather than catching up past it when it starts late; group 0
+    # holds at step 300, so group 1's restart (a process start and imports: 10 s and more on a
+    # busy machine, longer than the 450 steps group 0 has left) finds a live group to catch up
+    # from instead of a finished run.
     proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--restart-delay", "0", "--fault.at_step=150",
                           "--fault.during=allreduce", "--fault.kind=exit", "--fault.replicas=[1]",
+                          "--faults=[{at_step: 1, during: vote, kind: hold},"
+                          " {at_step: 300, during: vote, kind: hold, replicas: [0]}]",
                           f"--train.pipeline={pipeline}", *LONG)
     check(proc)
     assert "rank 0 exits at step 150 during allreduce" in (run / "replica1.console.log").read_text()
@@ -214,6 +222,9 @@ def test_a_group_killed_inside_the_cross_replica_allreduce(tmp_path, pipeline):
     steps = [c["step"] for c in commits(run, 0)]
     assert steps == sorted(set(steps)) and 150 in steps
     assert_kept_committing(run, summary, down=1)
+    (failure,) = summary["groups"][1]["failures"]
+    back = [c["step"] for c in commits(run, 1) if c["time"] > failure["down_at"]]
+    assert back[0] <= 300, back[:1]  # it caught up before group 0 went past its hold
     assert_exactly_once(summary, 600)
     assert_groups_agree(run, 2, tmp_path)
 

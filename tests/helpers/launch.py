@@ -43,11 +43,13 @@ def start_freescale(*args: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def torchrun(nproc: int, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node=N -m freescale ARGS``."""
+def torchrun(nproc: int, *args: str, timeout: float = 300, cpus: set[int] | None = None) -> subprocess.CompletedProcess:
+    """``torchrun --standalone --nproc_per_node=N -m freescale ARGS`` (``cpus``: the cores it and
+    its ranks run on)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "freescale", *args]
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout)
+    pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout, preexec_fn=pin)
 
 
 def check(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -7,9 +7,13 @@ import pytest
 from freescale.profile.bubbles import decompose, summarize
 
 
-def rec(step, start, end, cpu, data=(), data_cpu=0.0):
+def rec(step, start, end, cpu, data=(), data_cpu=0.0, cpu_wait=None, data_cpu_wait=0.0):
     spans = [["data", s, e] for s, e in data]
-    return {"step": step, "start": start, "end": end, "cpu": cpu, "data_cpu": data_cpu, "spans": spans, "uih_tokens": 10}
+    record = {"step": step, "start": start, "end": end, "cpu": cpu, "data_cpu": data_cpu, "spans": spans,
+              "uih_tokens": 10}
+    if cpu_wait is not None:
+        record.update(cpu_wait=cpu_wait, data_cpu_wait=data_cpu_wait)
+    return record
 
 
 def by(rank_steps):
@@ -119,3 +123,34 @@ def test_a_run_no_longer_than_its_warmup_is_summarized_over_every_step():
     assert s["warmup_steps"] == 0 and s["warmup_covered_all_steps"] is True
     s = summarize(decompose(timelines), warmup_steps=2)["summary"]
     assert s["steps"] == 1 and s["warmup_steps"] == 2 and s["warmup_covered_all_steps"] is False
+
+
+def test_on_a_busy_machine_compute_ends_later_by_the_wait_for_a_core():
+    # Two CPU-bound processes beside the ranks. Rank 1 spins 200 ms of wall time (an injected
+    # straggler) beside 10 ms of compute: it gets 110 ms of CPU and waits 100 ms for a core, so its
+    # compute ends at 210 ms on the wall clock. Rank 0 computes 10 ms over 22 ms of wall time
+    # and waits for rank 1 in the collective; both leave it at 250 ms.
+    waiting, late = rec(1, 0.0, 0.250, cpu=0.010, cpu_wait=0.012), rec(1, 0.0, 0.250, cpu=0.110, cpu_wait=0.100)
+    steps = by(decompose({0: [waiting], 1: [late]}))
+    assert close(steps[(0, 1)].straggler, 0.188)  # 210 - 22 ms: not 100 ms, as the CPU alone would say
+    assert close(steps[(0, 1)].R, 0.012) and close(steps[(0, 1)].exposed, 0.250 - 0.010 - 0.188)
+    assert close(steps[(1, 1)].straggler, 0.0) and close(steps[(1, 1)].exposed, 0.140)  # its wait for a core
+    per_rank = {p["rank"]: p for p in summarize(decompose({0: [waiting], 1: [late]}))["per_rank"]}
+    assert per_rank[1]["cpu_wait_ms"] == pytest.approx(100.0) and per_rank[0]["cpu_wait_ms"] == pytest.approx(12.0)
+
+
+def test_the_wait_for_a_core_in_data_loading_is_data_wait_and_a_rank_waits_for_peers_only_while_blocked():
+    # Rank 1 waits 40 ms for its loader, 10 ms of it for a core, then computes 50 ms over 70 ms.
+    loading = rec(1, 0.0, 0.150, cpu=0.050, data=[(0.0, 0.040)], cpu_wait=0.030, data_cpu_wait=0.010)
+    steps = by(decompose({0: [rec(1, 0.0, 0.150, cpu=0.020, cpu_wait=0.0)], 1: [loading]}))
+    assert close(steps[(1, 1)].D, 0.040) and close(steps[(1, 1)].R, 0.020)
+    assert close(steps[(0, 1)].straggler, 0.090)  # rank 1's compute ends at 40 + 50 + 20 ms
+    # A rank that waited for a core the whole time it was not computing waited for no peer.
+    busy = by(decompose({0: [rec(1, 0.0, 0.100, cpu=0.020, cpu_wait=0.080)], 1: [rec(1, 0.0, 0.100, cpu=0.100)]}))
+    assert close(busy[(0, 1)].straggler, 0.0) and close(busy[(0, 1)].exposed, 0.080)
+    # The wait for a core is capped by the time the rank did not compute, and a device-timed
+    # record's compute is the device's, which no busy host thread stretches.
+    capped = by(decompose({0: [rec(1, 0.0, 0.100, cpu=0.060, cpu_wait=0.090)]}))
+    assert close(capped[(0, 1)].R, 0.040)
+    device = dict(rec(1, 0.0, 0.100, cpu=0.005, cpu_wait=0.050), device_compute=0.060)
+    assert close(by(decompose({0: [device]}))[(0, 1)].R, 0.0)

@@ -6,6 +6,7 @@ import yaml
 from freescale.config import (
     ConfigError,
     ExperimentConfig,
+    declared_faults,
     describe,
     dump_yaml,
     field_docs,
@@ -73,6 +74,11 @@ def test_numbers_in_exponent_form_without_a_dot_are_numbers():
         (["--train.steps"], "expected --section.key=value"),
         (["--sim.ranks=[8, 0]"], "sim.ranks: expected rank counts >= 1, got [8, 0]"),
         (["--train.lr=1e"], "train.lr: expected a number"),
+        (["--faults=[{at_step: x}]"], "faults[0].at_step: expected an integer, got 'x'"),
+        (["--faults=[{}, {at_stpe: 3}]"], "unknown config key 'faults[1].at_stpe' (did you mean 'faults[1].at_step'?)"),
+        (["--faults=[{at_step: 3, kind: hold}]"], "faults[0].kind: hold holds a replica group at its vote"),
+        (["--faults=3"], "faults: expected a list of sections (mappings of keys), got 3"),
+        (["--faults.at_step=3"], "unknown config key 'faults.at_step' ('faults' is a list: set it whole"),
     ],
 )
 def test_errors_name_the_key_and_expectation(overrides, fragment):
@@ -117,6 +123,20 @@ def test_every_field_is_documented():
     walk(ExperimentConfig)
     rows = describe(ExperimentConfig())
     assert ("train.steps", 200, "Total optimizer steps (a resumed run continues up to this count).") in rows
+
+
+def test_faults_are_a_list_of_fault_sections(tmp_path):
+    path = write(tmp_path, "fault:\n  at_step: 5\nfaults:\n  - {at_step: 7, kind: delay, delay_s: 0.5}\n"
+                           "  - at_step: 9\n    ranks: [1]\n")
+    cfg = load_config(path, [])
+    assert [(f.at_step, f.kind, f.ranks) for f in cfg.faults] == [(7, "delay", []), (9, "raise", [1])]
+    assert cfg.faults[0].delay_s == 0.5 and cfg.faults[1].during == "step"  # each section's own defaults
+    assert [(name, f.at_step) for name, f in declared_faults(cfg)] == [("fault", 5), ("faults[0]", 7), ("faults[1]", 9)]
+    out = tmp_path / "config.yaml"
+    write_config(cfg, str(out))
+    assert load_config(out) == cfg
+    assert [f.at_step for f in load_config(path, ["--faults=[{at_step: 3}]"]).faults] == [3]  # the CLI sets the whole list
+    assert load_config(None, []).faults == []
 
 
 def test_written_config_round_trips(tmp_path):

@@ -8,10 +8,10 @@ import time
 import pytest
 import torch
 
-from freescale.config import ConfigError, SyntheticDataConfig, load_config
+from freescale.config import ConfigError, SyntheticDataConfig, declared_faults, load_config
 from freescale.data.loader import BatchLoader
 from freescale.data.synthetic import SyntheticSource
-from freescale.faults import FaultInjector, NullFaults, build_faults
+from freescale.faults import FaultInjector, Faults, InjectedFault, NullFaults, build_faults
 from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse
 from freescale.local import ALL, descendants, longest_gap, parse_kills
 from freescale.ft.catchup import load_into, transfer_state
@@ -95,8 +95,12 @@ def test_the_cursor_round_trips_and_a_bad_one_is_named(tmp_path):
         files.read_cursor()
 
 
+def declared(*overrides: str) -> list:
+    return [fault for _, fault in declared_faults(load_config(FT_LOCAL, list(overrides)))]
+
+
 def test_faults_under_the_layer_pick_groups_and_fire_once(tmp_path):
-    cfg = load_config(FT_LOCAL, ["fault.at_step=3", "fault.during=allreduce", "fault.replicas=[1]"]).fault
+    cfg = declared("fault.at_step=3", "fault.during=allreduce", "fault.replicas=[1]")
     assert isinstance(build_faults(cfg, rank=0, replica=0, run_dir=str(tmp_path)), NullFaults)
     faults = build_faults(cfg, rank=0, replica=1, run_dir=str(tmp_path))
     faults.at("step", 3)
@@ -112,6 +116,31 @@ def test_faults_under_the_layer_pick_groups_and_fire_once(tmp_path):
     started = time.monotonic()
     delay.at("quorum", 2)
     assert time.monotonic() - started >= 0.2
+
+
+def test_several_faults_each_strike_their_groups_and_a_hold_lets_its_step_pass_once_every_group_is_in(tmp_path):
+    # Group 1 fails in the all-reduce of step 150; group 0 holds at step 300; both vote against step 7.
+    cfg = declared("fault.at_step=150", "fault.during=allreduce", "fault.replicas=[1]",
+                   "faults=[{at_step: 300, during: vote, kind: hold, replicas: [0]}, {fail_commit_at: [7]}]")
+    group0 = build_faults(cfg, rank=0, replica=0, run_dir=str(tmp_path / "replica0"))
+    group1 = build_faults(cfg, rank=0, replica=1, run_dir=str(tmp_path / "replica1"))
+    assert group0.fail_commit_at == group1.fail_commit_at == [7]
+    group0.at("allreduce", 150)  # group 1's fault, not group 0's
+    with pytest.raises(InjectedFault, match="at step 150 during allreduce"):
+        group1.at("allreduce", 150)
+    assert group1.hold(300, 1, 2) == ""  # group 0's hold, not group 1's
+    group0.at("vote", 300)  # a hold strikes only at the vote's count of the groups
+    assert group0.hold(299, 1, 2) == ""
+    for _ in range(3):  # the step trained again is held again, as long as a group is missing
+        assert group0.hold(300, 1, 2) == "injected hold at step 300 until every replica group is in it: 1 of 2 are"
+    assert group0.hold(300, 2, 2) == ""  # every group in the step: it passes, for good
+    assert group0.hold(300, 1, 2) == ""
+    assert build_faults(cfg, rank=0, replica=0, run_dir=str(tmp_path / "replica0")).hold(300, 1, 2) == ""
+    # Without the replica layer, every section's rank faults strike.
+    both = build_faults(declared("fault.at_step=2", "faults=[{at_step: 4, kind: delay, delay_s: 0}]"), rank=0)
+    both.before_step(4)
+    with pytest.raises(InjectedFault, match="at step 2 on rank 0"):
+        both.before_step(2)
 
 
 def test_each_group_trains_its_own_shard_of_the_stream():
@@ -133,7 +162,15 @@ def test_config_checks_of_the_layer():
                                (["train.pipeline=base"], "ft.enable: the replica layer votes on the steps of .* got base"),
                                (["ft.enable=false", "fault.during=allreduce"], "fault.during: allreduce needs the replica layer"),
                                (["ft.enable=false", "fault.fail_commit_at=[3]"], "fault.fail_commit_at: needs the replica layer"),
-                               (["fault.fail_commit_at=[0]"], "fault.fail_commit_at: expected steps >= 1")]:
+                               (["fault.fail_commit_at=[0]"], "fault.fail_commit_at: expected steps >= 1"),
+                               (["fault.kind=hold", "fault.during=quorum"],
+                                r"fault.kind: hold holds a replica group at its vote: expected fault.during: vote, got quorum"),
+                               (["ft.enable=false", "faults=[{at_step: 3, during: vote, kind: hold}]"],
+                                r"faults\[0\].during: vote needs the replica layer"),
+                               (["faults=[{}, {ranks: [-1]}]"], r"faults\[1\].ranks: expected rank numbers >= 0"),
+                               (["faults=[{at_step: 3, kind: sleep}]"], r"faults\[0\].kind: expected one of raise, exit, delay, hold"),
+                               (["faults={at_step: 3}"], "faults: expected a list of sections"),
+                               (["faults.at_step=3"], r"'faults' is a list: set it whole, --faults=\[...\]")]:
         with pytest.raises(ConfigError, match=message):
             load_config(FT_LOCAL, overrides)
 
@@ -202,14 +239,13 @@ def test_faults_strike_from_wrappers_around_torchfts_parts(tmp_path):
     from torch.distributed.distributed_c10d import AllreduceOptions
     from torchft.process_group import ProcessGroupDummy
 
-    from freescale.faults import InjectedFault
     from freescale.ft.faults import (FaultyManager, FaultyProcessGroup, FaultyTransport, wrap_manager,
                                      wrap_process_group, wrap_transport)
 
     # Nothing declared: the parts themselves.
     parts = object()
     assert wrap_process_group(parts, NullFaults(), lambda: 1) is parts and wrap_transport(parts, NullFaults()) is parts
-    assert wrap_manager(parts, NullFaults(), []) is parts
+    assert wrap_manager(parts, NullFaults(), lambda: 1, 2) is parts
 
     # The step's all-reduce, through a process group that keeps wrapping after an abort.
     step = {"n": 2}
@@ -235,7 +271,8 @@ def test_faults_strike_from_wrappers_around_torchfts_parts(tmp_path):
 
     # The quorum, and commit failures declared once per step.
     class Manager:
-        step, errors = 3, []
+        def __init__(self):
+            self.step, self.errors = 3, []
 
         def current_step(self):
             return self.step
@@ -249,13 +286,26 @@ def test_faults_strike_from_wrappers_around_torchfts_parts(tmp_path):
         def should_commit(self):
             return not self.errors
 
-    manager = FaultyManager(Manager(), FaultInjector(4, "raise", rank=0, during="quorum"), fail_commit_at=[4])
+    manager = FaultyManager(Manager(), Faults([FaultInjector(4, "raise", rank=0, during="quorum")], fail_commit_at=[4]),
+                            groups_in_step=lambda: 2, groups=2)
     with pytest.raises(InjectedFault, match="at step 4 during quorum"):
         manager.start_quorum()
     assert manager.should_commit() is False and manager.errors == ["injected commit failure at step 4"]
     manager.errors.clear()
     assert manager.should_commit() is True  # the step trained again commits
     assert manager.current_step() == 3  # everything else is the manager's
+
+    # A hold: the group votes against its step, each time it trains it again, until every
+    # group is in the step (a group that catches up in it counts).
+    in_step = {"groups": 1}
+    held = FaultyManager(Manager(), Faults([FaultInjector(4, "hold", rank=0, during="vote")]),
+                         groups_in_step=lambda: in_step["groups"], groups=2)
+    for _ in range(2):
+        assert held.should_commit() is False
+        assert held.errors == ["injected hold at step 4 until every replica group is in it: 1 of 2 are"]
+        held.errors.clear()
+    in_step["groups"] = 2
+    assert held.should_commit() is True and held.errors == []
 
 
 def test_a_step_with_fewer_groups_than_min_replicas_is_not_committed():
