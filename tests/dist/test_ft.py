@@ -132,10 +132,14 @@ def test_a_killed_group_of_two_ranks_catches_up_group_atomically_and_finishes(tm
     # sync: FreeScale's own row-wise tables. Group 1's first catch-up fails on its rank 0 while
     # its rank 1 fetches and holds the peer's state: the group must drop it on both ranks and
     # catch up again, never half.
+    # Group 0 holds at step 100 until group 1 is back in the step (a hold: it votes against the
+    # step until every group is in it), so the restart (10 s and more on a busy machine) finds a
+    # live group to catch up from, however fast group 0 trains its remaining steps alone.
     run = tmp_path / "run"
     proc, summary = local(run, "--replicas", "2", "--nproc", "2", "--kill", "1@10", f"--train.pipeline={pipeline}",
                           "--fault.at_step=1", "--fault.during=recover", "--fault.kind=raise", "--fault.ranks=[0]",
-                          "--fault.replicas=[1]", *extra, *EVERY_7, *LONG)
+                          "--fault.replicas=[1]", "--faults=[{at_step: 100, during: vote, kind: hold, replicas: [0]}]",
+                          *extra, *EVERY_7, *LONG)
     check(proc)
     failures = summary["groups"][1]["failures"]
     assert [f["cause"] for f in failures] == ["killed"]
@@ -161,11 +165,14 @@ def test_a_killed_group_of_two_ranks_catches_up_group_atomically_and_finishes(tm
 def test_survivors_go_on_at_once_when_a_group_dies_inside_the_allreduce(tmp_path):
     # Three groups of one rank: group 2 exits inside a cross-replica all-reduce of step 150 and
     # is restarted 5 s later. The two others must not wait for it: they form a quorum of two
-    # as soon as the lighthouse stops hearing from it. (1000 steps: on a busy machine a group
-    # takes 20 s to start again, and the others must still be training when it is back.)
+    # as soon as the lighthouse stops hearing from it. Holds order the rest by events: every
+    # group holds at step 1 (all three are in step 150), and groups 0 and 1 hold at step 400
+    # until group 2 is back, however long its restart takes on a busy machine.
     run = tmp_path / "run"
     proc, summary = local(run, "--replicas", "3", "--nproc", "1", "--restart-delay", "5", "--fault.at_step=150",
                           "--fault.during=allreduce", "--fault.kind=exit", "--fault.replicas=[2]",
+                          "--faults=[{at_step: 1, during: vote, kind: hold},"
+                          " {at_step: 400, during: vote, kind: hold, replicas: [0, 1]}]",
                           "--train.steps=1000", "--checkpoint.at_end=true")
     check(proc)
     assert "rank 0 exits at step 150 during allreduce" in (run / "replica2.console.log").read_text()
