@@ -143,7 +143,6 @@ class Batch(Pipelineable):
                 value.record_stream(stream)
 
 
-
 def _to(value, device: torch.device):
     """A tensor or ``KeyedJaggedTensor`` on ``device`` (see ``Batch.to``)."""
     if isinstance(value, torch.Tensor):
