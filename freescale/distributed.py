@@ -106,6 +106,13 @@ def broadcast_object(obj, group: dist.ProcessGroup, src: int = 0):
     return box[0]
 
 
+def agreed(read, group: dist.ProcessGroup):
+    """Rank 0's ``read()`` on every rank of ``group`` (only rank 0 reads): for what the ranks of
+    one replica group must decide alike from files other processes write, where two ranks'
+    looks a moment apart can see different things."""
+    return broadcast_object(read() if dist.get_rank(group) == 0 else None, group)
+
+
 def all_gather_object(obj, group: dist.ProcessGroup) -> list:
     """Every rank's ``obj``, in the group's rank order."""
     out = [None] * dist.get_world_size(group)

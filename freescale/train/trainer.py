@@ -179,8 +179,8 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     closing.callback(replica.close)
     pipeline = training.build_pipeline(device, timeline, group=group, replica=replica)
     closing.callback(pipeline.close)
-    if cfg.ft.enable and _has_run_before(run_dir):
-        replica.join(None if resume_from else lambda: _restore_newest(checkpointer, state, run_dir, log))
+    if cfg.ft.enable and group_has_run_before(run_dir, group):
+        replica.join(None if resume_from else lambda: _restore_newest(checkpointer, state, run_dir, log, group))
     first_step = trainer.step
 
     # The logs, cut back to the state the loop starts from (what comes after is trained again).
@@ -249,14 +249,26 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     return summary
 
 
-def _has_run_before(run_dir: str) -> bool:
-    """A replica group that committed steps in this folder, or a job with checkpoints."""
-    return ReplicaFiles(run_dir).read_cursor() is not None or bool(job_checkpoints(run_dir))
+def group_has_run_before(run_dir: str, group: dist.ProcessGroup) -> bool:
+    """Whether the replica group committed steps in this folder, or the job has checkpoints.
+
+    Decided once for the group, by its rank 0 (``distributed.agreed``): another group may write
+    its first checkpoint between two of this group's ranks' looks, and ranks that decided apart
+    would each wait for the other in a different collective."""
+    return distributed.agreed(lambda: ReplicaFiles(run_dir).read_cursor() is not None or bool(job_checkpoints(run_dir)),
+                              group)
 
 
-def _restore_newest(checkpointer: Checkpointer, state: TrainingState, run_dir: str, log: logging.Logger) -> None:
-    """Load the job's newest checkpoint (this group's first among equal steps)."""
-    found = job_checkpoints(run_dir)
+def job_checkpoints_agreed(run_dir: str, group: dist.ProcessGroup) -> list[tuple[int, str]]:
+    """The job's checkpoints as the group's rank 0 sees them, on every rank (the same reason)."""
+    return distributed.agreed(lambda: job_checkpoints(run_dir), group)
+
+
+def _restore_newest(checkpointer: Checkpointer, state: TrainingState, run_dir: str, log: logging.Logger,
+                    group: dist.ProcessGroup) -> None:
+    """Load the job's newest checkpoint (this group's first among equal steps), the same on every
+    rank of the group."""
+    found = job_checkpoints_agreed(run_dir, group)
     if not found:
         log.warning("no checkpoint in this job: training starts again from step 0 (set checkpoint.every to "
                     "limit what a loss of every group costs)")

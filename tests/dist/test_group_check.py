@@ -39,3 +39,26 @@ def _check(rank, world):
 
 def test_a_group_whose_ranks_disagree_fails_its_step():
     run_ranks(2, _check)
+
+
+def _decide_from_files(rank, world, root):
+    from pathlib import Path
+
+    from freescale.train.trainer import group_has_run_before, job_checkpoints_agreed
+
+    # Each rank looks at the job's files a moment apart: rank 1 after another group wrote its
+    # first checkpoint, rank 0 before (a folder of each rank's own plays the two looks).
+    folder = Path(root) / f"look{rank}"
+    if rank == 1:
+        step = folder / "checkpoints" / "step_00000007"
+        step.mkdir(parents=True)
+        (step / ".metadata").write_text("")
+    folder.mkdir(exist_ok=True)
+    assert group_has_run_before(str(folder), dist.group.WORLD) is False  # rank 0's look, on both
+    assert job_checkpoints_agreed(str(folder), dist.group.WORLD) == []
+
+
+def test_the_ranks_of_a_group_decide_from_the_jobs_files_alike(tmp_path):
+    # A group that decided apart whether it has run before would send one rank into the join's
+    # zero step and the other into training, each waiting for the other's collective.
+    run_ranks(2, _decide_from_files, str(tmp_path))
