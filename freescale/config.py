@@ -158,6 +158,32 @@ class ModelConfig:
     """Rows of the hashed user-id table."""
     attention_padding: Annotated[float, Range(min=1.0)] = 1.25
     """Jagged attention groups samples of similar length; max padded/actual tokens per group."""
+    kind: Literal["transformer", "hstu"] = "transformer"
+    """transformer: pre-norm softmax encoder with candidate-target attention; hstu: HSTU layers (pointwise SiLU attention with relative position and time bias, Zhai et al. 2024) over the history, with the candidates appended (ranking)."""
+    attention_dim: Annotated[int, NonNegative] = 0
+    """hstu: query/key width per head (0 = model width / num_heads)."""
+    linear_dim: Annotated[int, NonNegative] = 0
+    """hstu: value/gate (U, V) width per head (0 = model width / num_heads)."""
+    dropout: Annotated[float, Range(min=0.0, max=0.9)] = 0.2
+    """hstu: dropout on each layer's gated attention output (and the input rows) while training."""
+    num_time_buckets: Annotated[int, Positive] = 128
+    """hstu: buckets of the log time difference in the relative attention bias."""
+
+
+@dataclass
+class TaskConfig:
+    kind: Literal["ranking", "retrieval"] = "ranking"
+    """ranking: each sample's candidates scored for their labels, one head per label; retrieval (model.kind hstu): next-item prediction, every history position predicts the next item with a sampled softmax, evaluated by leave-one-out ranking against the whole item table."""
+    num_negatives: Annotated[int, NonNegative] = 128
+    """retrieval: negatives sampled per sample, uniform over the item table (besides the batch's other targets)."""
+    in_batch_negatives: bool = True
+    """retrieval: the other targets of the rank's batch are negatives too."""
+    temperature: Annotated[float, Range(min=1e-4)] = 0.05
+    """retrieval: softmax temperature over the cosine similarities of query and item."""
+    eval_ks: list[int] = field(default_factory=lambda: [10, 50, 200])
+    """retrieval: cut-offs K of the held-out HR@K and NDCG@K."""
+    exclude_history: bool = True
+    """retrieval evaluation: items already in the user's history are left out of the ranking (as RecBole's full ranking does)."""
 
 
 @dataclass
@@ -362,6 +388,8 @@ class ExperimentConfig:
     """Where samples come from and how they are batched."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The sequence recommendation model."""
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """What the model learns: ranking candidates or retrieving the next item."""
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     """Embedding tables: sharding and fused optimizer."""
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -612,6 +640,10 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"model.num_heads: expected a divisor of {width_key} ({width}), got {m.num_heads}")
     if d.min_uih_len > d.max_uih_len:
         raise ConfigError(f"data.min_uih_len: expected <= data.max_uih_len ({d.max_uih_len}), got {d.min_uih_len}")
+    if cfg.task.kind == "retrieval" and m.kind != "hstu":
+        raise ConfigError(f"task.kind: retrieval trains next-item prediction with model.kind hstu, got {m.kind}")
+    if any(k < 1 for k in cfg.task.eval_ks):
+        raise ConfigError(f"task.eval_ks: expected cut-offs >= 1, got {cfg.task.eval_ks}")
     if any(w < 1 for w in m.mlp_dims):
         raise ConfigError(f"model.mlp_dims: expected positive widths, got {m.mlp_dims}")
     if d.source == "ratings":
