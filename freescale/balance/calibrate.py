@@ -20,7 +20,7 @@ from freescale.data.batch import Batch, Samples
 from freescale.device import Streams
 from freescale.distributed import resolve_device
 from freescale.progress import bar, say
-from freescale.model.seqrec import SeqRecModel
+from freescale.model.seqrec import SeqRecModel, task_settings
 
 
 def default_grid(max_uih_len: int, num_candidates: int) -> tuple[list[int], list[int]]:
@@ -45,7 +45,7 @@ def calibrate(cfg: ExperimentConfig, *, repeats: int = 5, tokens_per_batch: int 
     num_items = cfg.data.synthetic.num_items if cfg.data.source == "synthetic" else _ratings_items(cfg)
     device = resolve_device(cfg.run.device, 0)
     streams = Streams(device)
-    model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items, max_uih_len=cfg.data.max_uih_len,
+    model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items, **task_settings(cfg),
                         device=device)
     rng = np.random.default_rng(cfg.run.seed)
     lengths, candidates = default_grid(cfg.data.max_uih_len, cfg.data.num_candidates)

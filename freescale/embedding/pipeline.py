@@ -78,7 +78,7 @@ from freescale.embedding.exchange import PendingRoute, Route, ShardedTables, cou
 from freescale.embedding.replicated import row_gradients
 from freescale.embedding.rows import in_rows, split_rows
 from freescale.ft.replica import COMMITTED, NullReplica
-from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, SeqRecTask
+from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, build_task, task_arguments, task_settings
 from freescale.transport.base import HIGH, NORMAL
 
 
@@ -104,8 +104,7 @@ class OwnedModel(nn.Module):
         n_uih = int(batch.uih_lengths.sum())  # (host tensors: no wait)
         n_items = batch.seq_features.values().numel()
         user = rows[n_items:] if self.user_features else None
-        return self.task(rows[:n_uih], rows[n_uih:n_items], user, batch.uih_lengths, batch.cand_counts, batch.labels,
-                         batch.sample_ids, batch.batch_index, batch.loss_scale)
+        return self.task(rows[:n_uih], rows[n_uih:n_items], user, *task_arguments(batch))
 
     # Checkpoints: the dense part as usual, the tables as row-sharded DTensors.
 
@@ -129,7 +128,8 @@ def build_owned_model(cfg, *, num_items: int, max_uih_len: int, topology, seed: 
     sharded = ShardedTables(tables, cfg.model.embedding_dim, rank=topology.rank, world_size=topology.world_size,
                             group=topology.pg, optimizer=cfg.embedding.optimizer, lr=cfg.embedding.lr,
                             init_std=cfg.embedding.init_std, seed=seed, device=device)
-    return OwnedModel(sharded, SeqRecTask(cfg.model, max_uih_len).to(device), cfg.model.user_features)
+    settings = {**task_settings(cfg), "max_uih_len": max_uih_len}
+    return OwnedModel(sharded, build_task(cfg.model, **settings).to(device), cfg.model.user_features)
 
 
 class DenseReduction:

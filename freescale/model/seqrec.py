@@ -19,7 +19,7 @@ where the embedding modules are built.
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -28,25 +28,17 @@ import torch.nn.functional as F
 from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.device import to_device
 from freescale.model.jagged_attention import JaggedLayout, offsets_of
+from freescale.model.output import StepOutput
+
+__all__ = ["ITEM_TABLE", "USER_TABLE", "SeqRecModel", "SeqRecTask", "StepOutput", "build_task", "task_settings"]
 
 if TYPE_CHECKING:
     from freescale.config import EmbeddingConfig as EmbeddingSettings
-    from freescale.config import ModelConfig
+    from freescale.config import ExperimentConfig, ModelConfig, TaskConfig
     from freescale.data.batch import Batch
 
 ITEM_TABLE = "item_table"
 USER_TABLE = "user_table"
-
-
-class StepOutput(NamedTuple):
-    """What a forward pass reports besides the loss (pipelines return it from ``progress``)."""
-
-    loss: torch.Tensor
-    logits: torch.Tensor
-    labels: torch.Tensor
-    sample_ids: torch.Tensor
-    uih_lengths: torch.Tensor
-    batch_index: torch.Tensor
 
 
 class EncoderLayer(nn.Module):
@@ -68,7 +60,7 @@ class EncoderLayer(nn.Module):
 class SeqRecTask(nn.Module):
     """Dense part: encoder, target attention, head and loss (one FX leaf)."""
 
-    def __init__(self, cfg: ModelConfig, max_uih_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_uih_len: int, num_labels: int = 1) -> None:
         super().__init__()
         dim = cfg.d_model or cfg.embedding_dim
         self.cfg = cfg
@@ -83,7 +75,7 @@ class SeqRecTask(nn.Module):
         mlp: list[nn.Module] = []
         for a, b in zip(widths, widths[1:]):
             mlp += [nn.Linear(a, b), nn.ReLU()]
-        self.head = nn.Sequential(*mlp, nn.Linear(widths[-1], 1))
+        self.head = nn.Sequential(*mlp, nn.Linear(widths[-1], num_labels))  # one logit per label
         nn.init.normal_(self.positions.weight, std=0.02)
 
     def forward(
@@ -91,8 +83,11 @@ class SeqRecTask(nn.Module):
         uih: torch.Tensor,
         cand: torch.Tensor,
         user_rows: torch.Tensor | None,
+        item_ids: torch.Tensor,
         uih_lengths: torch.Tensor,
         cand_counts: torch.Tensor,
+        uih_timestamps: torch.Tensor,
+        cand_timestamps: torch.Tensor,
         labels: torch.Tensor,
         sample_ids: torch.Tensor,
         batch_index: torch.Tensor,
@@ -100,8 +95,10 @@ class SeqRecTask(nn.Module):
     ):
         """(loss, StepOutput) of the histories' rows ``uih`` [sum(uih_lengths), D], the candidates'
         ``cand`` [sum(cand_counts), D] and the users' ``user_rows`` [samples, D] (None without
-        user features), on the model's device; ``uih_lengths``, ``cand_counts`` (and the
-        ``sample_ids`` and ``batch_index`` passed through) are host tensors."""
+        user features), on the model's device, and ``labels`` [sum(cand_counts), K]; ``uih_lengths``,
+        ``cand_counts`` (and the ``sample_ids`` and ``batch_index`` passed through) are host tensors.
+        Every task takes the same arguments (``TASK_ARGUMENTS``); this one has no use for the item
+        ids or the timestamps."""
         device = uih.device
         if self.project is not None:
             uih, cand = self.project(uih), self.project(cand)
@@ -123,7 +120,7 @@ class SeqRecTask(nn.Module):
         if user_rows is not None:  # each sample's user row once per candidate
             owner = torch.repeat_interleave(torch.arange(len(cand_counts)), cand_counts)
             features.append(user_rows.index_select(0, to_device(owner, device)))
-        logits = self.head(torch.cat(features, dim=-1)).squeeze(-1)
+        logits = self.head(torch.cat(features, dim=-1))
         loss = F.binary_cross_entropy_with_logits(logits, labels) * loss_scale
         return loss, StepOutput(loss.detach(), logits.detach(), labels, sample_ids, uih_lengths, batch_index)
 
@@ -135,7 +132,8 @@ class SeqRecModel(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, emb: EmbeddingSettings, *, num_items: int, max_uih_len: int,
-                 device: torch.device) -> None:
+                 device: torch.device, task_cfg: TaskConfig | None = None, num_labels: int = 1,
+                 max_candidates: int = 1) -> None:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
         from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
@@ -155,10 +153,47 @@ class SeqRecModel(nn.Module):
             if cfg.user_features
             else None
         )
-        self.task = SeqRecTask(cfg, max_uih_len)
+        self.task = build_task(cfg, max_uih_len=max_uih_len, task_cfg=task_cfg, num_labels=num_labels,
+                               max_candidates=max_candidates)
 
     def forward(self, batch: Batch):
         seq = self.item_ec(batch.seq_features)
         user = self.user_ebc(batch.user_features)[USER_FEATURE] if self.user_ebc is not None else None
-        return self.task(seq[UIH_FEATURE].values(), seq[CANDIDATE_FEATURE].values(), user, batch.uih_lengths,
-                         batch.cand_counts, batch.labels, batch.sample_ids, batch.batch_index, batch.loss_scale)
+        return self.task(seq[UIH_FEATURE].values(), seq[CANDIDATE_FEATURE].values(), user, *task_arguments(batch))
+
+
+TASK_ARGUMENTS = ("item_ids", "uih_lengths", "cand_counts", "uih_timestamps", "cand_timestamps", "labels",
+                  "sample_ids", "batch_index", "loss_scale")
+"""The batch fields every task takes after the rows (histories', candidates', users')."""
+
+
+def task_arguments(batch: Batch) -> tuple:
+    return tuple(getattr(batch, name) for name in TASK_ARGUMENTS)
+
+
+def build_task(cfg: ModelConfig, *, max_uih_len: int, task_cfg: TaskConfig | None = None, num_labels: int = 1,
+               max_candidates: int = 1) -> nn.Module:
+    """The dense task ``model.kind`` and ``task.kind`` name (ranking with the transformer or HSTU,
+    retrieval with HSTU); ``max_candidates``: the most candidates a sample has (HSTU's ranking
+    appends them to the history, so its maximum sequence is ``max_uih_len + max_candidates``)."""
+    kind = task_cfg.kind if task_cfg is not None else "ranking"
+    if cfg.kind == "transformer":
+        if kind != "ranking":
+            raise ValueError(f"task.kind {kind} needs model.kind hstu")
+        return SeqRecTask(cfg, max_uih_len, num_labels)
+    from freescale.config import TaskConfig
+    from freescale.model.hstu_tasks import HSTURankingTask, HSTURetrievalTask
+
+    if kind == "retrieval":
+        return HSTURetrievalTask(cfg, task_cfg or TaskConfig(kind="retrieval"), max_len=max_uih_len)
+    return HSTURankingTask(cfg, max_len=max_uih_len + max_candidates, num_labels=num_labels)
+
+
+def task_settings(cfg: ExperimentConfig) -> dict:
+    """``SeqRecModel``'s task keywords from an experiment: its maximum history, task, labels and
+    candidates per sample."""
+    from freescale.data.features import label_names
+
+    candidates = 1 + cfg.task.num_negatives if cfg.task.kind == "retrieval" else cfg.data.num_candidates
+    return dict(max_uih_len=cfg.data.max_uih_len, task_cfg=cfg.task, num_labels=len(label_names(cfg.data)),
+                max_candidates=candidates)

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from freescale.config import ConfigError, ExperimentConfig, dump_yaml, load_config, to_dict
 from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
-from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, SeqRecModel, SeqRecTask
+from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, SeqRecModel, SeqRecTask, task_settings
 from freescale.progress import bar
 from freescale.serve import standalone
 from freescale.serve.dense import ServingDense
@@ -116,7 +116,7 @@ def trained_model(trained: Trained) -> SeqRecModel:
     """The trained model as training computes it (fp32, unsharded, on CPU)."""
     cfg = trained.cfg
     model = SeqRecModel(cfg.model, cfg.embedding, num_items=int(trained.tables[ITEM_TABLE].shape[0]),
-                        max_uih_len=cfg.data.max_uih_len, device=torch.device("cpu"))
+                        device=torch.device("cpu"), **task_settings(cfg))
     with torch.no_grad():
         model.item_ec.embeddings[ITEM_TABLE].weight.copy_(trained.tables[ITEM_TABLE])
         if model.user_ebc is not None:

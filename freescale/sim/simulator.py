@@ -103,9 +103,9 @@ def dense_parameters(cfg: ExperimentConfig) -> int:
     """Parameters all-reduced every step: the model's dense part (everything but its tables)."""
     import torch
 
-    from freescale.model.seqrec import SeqRecModel
+    from freescale.model.seqrec import SeqRecModel, task_settings
 
-    model = SeqRecModel(cfg.model, cfg.embedding, num_items=1, max_uih_len=cfg.data.max_uih_len,
+    model = SeqRecModel(cfg.model, cfg.embedding, num_items=1, **task_settings(cfg),
                         device=torch.device("meta"))
     return sum(p.numel() for p in model.task.parameters())
 

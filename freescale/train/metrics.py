@@ -61,52 +61,94 @@ def normalized_entropy(labels: np.ndarray, logits: np.ndarray) -> float:
     return log_loss(labels, logits) / base
 
 
-class HeldOutMetrics:
-    """AUC, normalized entropy and calibration of the held-out candidates from TorchRec's
-    metrics (``torchrec.metrics``), over the ranks of ``group``, plus the mean log loss and the
-    number of candidates (summed over the ranks). Every rank calls ``update`` with its own
-    logits and labels and then ``compute`` (a collective) with the others."""
+def gauc(users: np.ndarray, labels: np.ndarray, scores: np.ndarray) -> tuple[float, int]:
+    """Group AUC: the AUC of each user's candidates, averaged over the users who have both a
+    positive and a negative one (unweighted); with how many users that is. NaN with none."""
+    users = np.asarray(users)
+    order = np.argsort(users, kind="stable")
+    users, labels, scores = users[order], np.asarray(labels)[order], np.asarray(scores)[order]
+    starts = np.flatnonzero(np.r_[True, users[1:] != users[:-1]]) if len(users) else np.zeros(0, dtype=np.int64)
+    ends = np.r_[starts[1:], len(users)]
+    per_user = [auc(labels[a:b], scores[a:b]) for a, b in zip(starts, ends)]
+    counted = [v for v in per_user if not math.isnan(v)]
+    return (float(np.mean(counted)) if counted else float("nan")), len(counted)
 
-    def __init__(self, group: dist.ProcessGroup, batch_size: int) -> None:
+
+class HeldOutMetrics:
+    """Per label: AUC, normalized entropy and calibration of the held-out candidates from
+    TorchRec's metrics (``torchrec.metrics``, one task per label), over the ranks of ``group``,
+    plus the mean log loss, the number of candidates (summed over the ranks) and GAUC (AUC per
+    user, averaged: computed here, over every rank's candidates gathered). Every rank calls
+    ``update`` with its own logits and labels [N, K] and the candidates' users, then ``compute``
+    (a collective) with the others.
+
+    The first label's figures are ``eval/auc``, ``eval/ne``, ...; with several labels each
+    label's are also under ``eval/<label>/auc`` and so on."""
+
+    def __init__(self, group: dist.ProcessGroup, batch_size: int, labels: list[str] | None = None) -> None:
         from torchrec.metrics.auc import AUCMetric
         from torchrec.metrics.calibration import CalibrationMetric
         from torchrec.metrics.metrics_config import RecTaskInfo
         from torchrec.metrics.ne import NEMetric
 
-        task = RecTaskInfo(name=EVAL_TASK, label_name="label", prediction_name="prediction", weight_name="weight")
+        self.labels = list(labels or ["click"])
+        self.tasks = [EVAL_TASK if k == 0 else f"{EVAL_TASK}{k}" for k in range(len(self.labels))]
+        tasks = [RecTaskInfo(name=t, label_name="label", prediction_name="prediction", weight_name="weight")
+                 for t in self.tasks]
         common = dict(world_size=dist.get_world_size(group), my_rank=dist.get_rank(group), batch_size=batch_size,
-                      tasks=[task], window_size=WHOLE_SET, compute_on_all_ranks=True, process_group=group)
+                      tasks=tasks, window_size=WHOLE_SET, compute_on_all_ranks=True, process_group=group)
         self.metrics = {"auc": AUCMetric(**common), "ne": NEMetric(**common), "calibration": CalibrationMetric(**common)}
         self.group = group
-        self.sums = torch.zeros(2, dtype=torch.float64)  # log loss, candidates
+        k = len(self.labels)
+        self.sums = torch.zeros(k + 1, dtype=torch.float64)  # log loss per label, candidates
+        self.seen: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (users, labels, logits) for GAUC
 
-    def update(self, logits: torch.Tensor, labels: torch.Tensor) -> None:
-        logits = logits.detach().float().cpu().reshape(-1)
-        labels = labels.detach().float().cpu().reshape(-1)
-        if not logits.numel():
+    def update(self, logits: torch.Tensor, labels: torch.Tensor, users: torch.Tensor | None = None) -> None:
+        k = len(self.labels)
+        logits = logits.detach().float().cpu().reshape(-1, k)
+        labels = labels.detach().float().cpu().reshape(-1, k)
+        if not logits.shape[0]:
             return
-        inputs = {"predictions": {EVAL_TASK: torch.sigmoid(logits)}, "labels": {EVAL_TASK: labels},
-                  "weights": {EVAL_TASK: torch.ones_like(labels)}}
+        inputs = {"predictions": {t: torch.sigmoid(logits[:, i]) for i, t in enumerate(self.tasks)},
+                  "labels": {t: labels[:, i] for i, t in enumerate(self.tasks)},
+                  "weights": {t: torch.ones_like(labels[:, i]) for t in self.tasks}}
         for metric in self.metrics.values():
             metric.update(**inputs)
-        loss = F.binary_cross_entropy_with_logits(logits.double(), labels.double(), reduction="sum")
-        self.sums += torch.stack([loss, torch.tensor(float(logits.numel()), dtype=torch.float64)])
+        loss = F.binary_cross_entropy_with_logits(logits.double(), labels.double(), reduction="none").sum(0)
+        self.sums += torch.cat([loss, torch.tensor([float(logits.shape[0])], dtype=torch.float64)])
+        if users is not None:
+            self.seen.append((users.cpu().numpy().reshape(-1), labels.numpy(), logits.numpy()))
 
     def compute(self) -> dict:
-        """``eval/auc``, ``eval/ne``, ``eval/calibration``, ``eval/loss``, ``eval/samples`` (empty
-        when no rank saw a candidate)."""
+        """The figures above and ``eval/samples`` (empty when no rank saw a candidate)."""
         sums = self.sums.clone()
         dist.all_reduce(sums, group=self.group)
+        gathered: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(gathered, self.seen, group=self.group)
+        seen = [part for rank in gathered for part in rank]
         values = {}
         for name, metric in self.metrics.items():
             out = metric.compute()
-            key = f"{name}-{EVAL_TASK}|lifetime_{name}"
-            values[name] = float(out[key] if key in out else out[f"{name}-{EVAL_TASK}|window_{name}"])
-        if sums[1] == 0:
+            for t in self.tasks:
+                key = f"{name}-{t}|lifetime_{name}"
+                values[name, t] = float(out[key] if key in out else out[f"{name}-{t}|window_{name}"])
+        if sums[-1] == 0:
             return {}
-        return {"eval/auc": round(values["auc"], 6), "eval/ne": round(values["ne"], 6),
-                "eval/calibration": round(values["calibration"], 6),
-                "eval/loss": round(float(sums[0] / sums[1]), 6), "eval/samples": int(sums[1])}
+        result = {}
+        for i, (label, t) in enumerate(zip(self.labels, self.tasks)):
+            figures = {"auc": round(values["auc", t], 6), "ne": round(values["ne", t], 6),
+                       "calibration": round(values["calibration", t], 6),
+                       "loss": round(float(sums[i] / sums[-1]), 6)}
+            if seen:
+                g, _ = gauc(np.concatenate([u for u, _, _ in seen]), np.concatenate([y[:, i] for _, y, _ in seen]),
+                            np.concatenate([x[:, i] for _, _, x in seen]))
+                figures["gauc"] = round(g, 6)
+            if i == 0:
+                result.update({f"eval/{name}": v for name, v in figures.items()})
+            if len(self.labels) > 1:
+                result.update({f"eval/{label}/{name}": v for name, v in figures.items()})
+        result["eval/samples"] = int(sums[-1])
+        return result
 
 
 class MetricsLog:

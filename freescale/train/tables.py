@@ -24,7 +24,7 @@ from freescale.embedding.pipeline import build_owned_model
 from freescale.embedding.replicated import OwnedRows
 from freescale.ft.rows import FusedTables
 from freescale.ft.table_sync import TableSync
-from freescale.model.seqrec import SeqRecModel
+from freescale.model.seqrec import SeqRecModel, task_settings
 from freescale.model.sharding import build_dense_optimizer, build_optimizer, dense_part, shard_model
 
 
@@ -36,7 +36,7 @@ class TorchRecTables:
 
     def build_model(self, cfg: ExperimentConfig, *, num_items: int, topology: Topology,
                     device: torch.device) -> nn.Module:
-        model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items, max_uih_len=cfg.data.max_uih_len,
+        model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items, **task_settings(cfg),
                             device=torch.device("meta"))
         return shard_model(model, cfg.embedding, topology, device)
 

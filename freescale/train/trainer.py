@@ -44,7 +44,9 @@ from freescale.profile.straggler import inject_delay
 from freescale.profile.timeline import build_timeline
 from freescale.train.checkpoint import Checkpointer, job_checkpoints, resolve_checkpoint, run_dir_of
 from freescale.train.ledger import build_ledger
+from freescale.data.features import label_names
 from freescale.train.metrics import HeldOutMetrics, MetricsLog, read_metrics, require_tensorboard
+from freescale.train.retrieval import evaluate_retrieval, retrieval_line
 from freescale.train.pipelines import TrainPipeline
 from freescale.train.state import DataCursor, RNGState, TrainerState, TrainingState
 from freescale.train.training import build_training, check_device
@@ -217,7 +219,8 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         if _due(trainer.step, cfg.run.log_every, cfg.train.steps):
             window = _log_progress(trainer.step, window, metrics, log, group)
         if held_out and _due(trainer.step, cfg.train.eval_every, cfg.train.steps):
-            metrics.write({"step": trainer.step, **_evaluate(pipeline, held_out, log, trainer.step, group)})
+            metrics.write({"step": trainer.step, **_evaluate(pipeline, held_out, log, trainer.step, group, cfg,
+                                                             inputs.train_source.num_items)})
         if _due(trainer.step, cfg.checkpoint.every, cfg.train.steps if cfg.checkpoint.at_end else 0):
             pipeline.drain()  # every update the trained batches owe is in the tables
             log.info(f"checkpoint {checkpointer.save(trainer.step, state)}", extra={"step": trainer.step})
@@ -236,7 +239,7 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     }
     if trainer.step == first_step:
         log.info(f"nothing to train: already at step {trainer.step} of {cfg.train.steps}")
-        summary.update(_evaluate(pipeline, held_out, log, trainer.step, group))
+        summary.update(_evaluate(pipeline, held_out, log, trainer.step, group, cfg, inputs.train_source.num_items))
     else:
         summary.update(_last_eval(run_dir) if topo.is_main else {})
     timeline.finish()
@@ -330,19 +333,31 @@ def _log_progress(step: int, window: StepWindow, metrics: MetricsLog, log: loggi
     return StepWindow()
 
 
-def _evaluate(pipeline: TrainPipeline, held_out: list, log: logging.Logger, step: int, group: dist.ProcessGroup) -> dict:
-    """AUC, normalized entropy, calibration and log loss over every rank's held-out samples
-    (TorchRec's metrics, reduced across the replica's ranks)."""
-    metrics = HeldOutMetrics(group, batch_size=max((len(b.labels) for b in held_out), default=1))
+def _evaluate(pipeline: TrainPipeline, held_out: list, log: logging.Logger, step: int, group: dist.ProcessGroup,
+              cfg: ExperimentConfig, num_items: int) -> dict:
+    """Ranking: AUC, normalized entropy, calibration, log loss and GAUC per label over every
+    rank's held-out samples (TorchRec's metrics, reduced across the replica's ranks); retrieval:
+    HR@K, NDCG@K and MRR of the held-out next items ranked against the whole item table."""
+    if cfg.task.kind == "retrieval":
+        with pipeline.evaluating() as model:
+            result = evaluate_retrieval(model, held_out, num_items=num_items, ks=cfg.task.eval_ks,
+                                        exclude_history=cfg.task.exclude_history, group=group,
+                                        user_hash_size=cfg.model.user_hash_size)
+        if result:
+            log.info(retrieval_line(result, cfg.task.eval_ks), extra={"step": step})
+        return result
+    metrics = HeldOutMetrics(group, batch_size=max((len(b.labels) for b in held_out), default=1),
+                             labels=label_names(cfg.data))
     with pipeline.evaluating() as model:
         for batch in held_out:
             _, out = model(batch)
-            metrics.update(out.logits, out.labels)
+            metrics.update(out.logits, out.labels, torch.repeat_interleave(batch.user_features.values(),
+                                                                           batch.cand_counts))
     result = metrics.compute()
     if result:
-        log.info(f"eval auc {result['eval/auc']:.4f} | ne {result['eval/ne']:.4f} | calibration "
-                 f"{result['eval/calibration']:.3f} | loss {result['eval/loss']:.4f} over {result['eval/samples']} "
-                 f"candidates", extra={"step": step})
+        log.info(f"eval auc {result['eval/auc']:.4f} | gauc {result.get('eval/gauc', float('nan')):.4f} | ne "
+                 f"{result['eval/ne']:.4f} | calibration {result['eval/calibration']:.3f} | loss "
+                 f"{result['eval/loss']:.4f} over {result['eval/samples']} candidates", extra={"step": step})
     return result
 
 
@@ -378,7 +393,7 @@ def _write_bubble_report(run_dir: str, cfg: ExperimentConfig, log: logging.Logge
 
 
 def _last_eval(run_dir: str) -> dict:
-    records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if "eval/auc" in r]
+    records = [r for r in read_metrics(os.path.join(run_dir, "metrics.jsonl")) if any(k.startswith("eval/") for k in r)]
     return {k: v for k, v in records[-1].items() if k != "step"} if records else {}
 
 
