@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.device import to_device
+from freescale.model.flops import seqrec_flops
 from freescale.model.jagged_attention import JaggedLayout, offsets_of
 
 if TYPE_CHECKING:
@@ -47,6 +48,8 @@ class StepOutput(NamedTuple):
     sample_ids: torch.Tensor
     uih_lengths: torch.Tensor
     batch_index: torch.Tensor
+    cand_counts: torch.Tensor
+    """Host tensors, like ``uih_lengths``: with them the trainer counts the step's FLOPs (``flops``)."""
 
 
 class EncoderLayer(nn.Module):
@@ -85,6 +88,10 @@ class SeqRecTask(nn.Module):
             mlp += [nn.Linear(a, b), nn.ReLU()]
         self.head = nn.Sequential(*mlp, nn.Linear(widths[-1], 1))
         nn.init.normal_(self.positions.weight, std=0.02)
+
+    def flops(self, uih_lengths, cand_counts) -> float:
+        """Forward FLOPs on samples with these host lengths (``freescale.model.flops``)."""
+        return seqrec_flops(self.cfg, uih_lengths, cand_counts)
 
     def forward(
         self,
@@ -125,7 +132,8 @@ class SeqRecTask(nn.Module):
             features.append(user_rows.index_select(0, to_device(owner, device)))
         logits = self.head(torch.cat(features, dim=-1)).squeeze(-1)
         loss = F.binary_cross_entropy_with_logits(logits, labels) * loss_scale
-        return loss, StepOutput(loss.detach(), logits.detach(), labels, sample_ids, uih_lengths, batch_index)
+        return loss, StepOutput(loss.detach(), logits.detach(), labels, sample_ids, uih_lengths, batch_index,
+                                cand_counts)
 
 
 class SeqRecModel(nn.Module):
