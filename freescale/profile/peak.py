@@ -25,6 +25,8 @@ import torch
 
 from freescale.io import write_json_atomic
 
+PEAK_FILE = "matmul_peak.json"
+"""The peak a run's MFU is against, stored in its folder (the bubble report reads it)."""
 TOKENS = 4096
 """Rows of the calibration products (history tokens of a typical batch)."""
 REPEATS = 5
