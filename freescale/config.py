@@ -276,6 +276,8 @@ class ProfileConfig:
     """Straggler injection: ranks whose compute is delayed every step (to validate profiling)."""
     delay_ms: Annotated[float, Range(min=0.0)] = 0.0
     """Straggler injection: busy compute added to each delayed rank's forward, per step."""
+    peak_cache: str = "runs/cache/gemm_peak.json"
+    """Cache of the measured matmul peak that MFU (log line, summary, bubble report) is reported against, keyed by machine, torch version, threads and the model's widths; "" = measure every run."""
 
 
 @dataclass

@@ -16,8 +16,9 @@ with ``run.seed = k`` in both (so the held-out AUC and NE have a run-to-run spre
 compared against).
 
 Per run, after the warm-up steps: samples/s (all groups together), bubble fraction,
-straggler %, exposed communication per step (from the bubble report, of group 0 in a 2x2
-run), then held-out AUC and NE at the end. The tables show means with the spread (min-max)
+straggler %, exposed communication per step, training MFLOPs per sample and MFU (from the
+bubble report, of group 0 in a 2x2 run; docs/profiling.md defines them), then held-out AUC and
+NE at the end. The tables show means with the spread (min-max)
 and FreeScale / baseline ratios; the JSON (``--out``) holds every run. A row holds when
 FreeScale's samples/s is higher, its bubble fraction lower, and its AUC and NE no worse than
 the baseline's run-to-run spread (inside it, or past it on the better side: both verdicts
@@ -52,8 +53,9 @@ from shaped_hosts import ShapedHosts, available  # noqa: E402
 EXPERIMENTS = {"baseline": os.path.join(REPO, "configs", "baseline_torchrec.yaml"),
                "freescale": os.path.join(REPO, "configs", "freescale.yaml")}
 ML100K = os.path.join(REPO, "configs", "ml100k.yaml")
-MEASURES = ("samples_per_s", "bubble_fraction", "straggler_pct", "exposed_comm_ms", "step_ms", "auc", "ne")
-HIGHER_IS_BETTER = {"samples_per_s", "auc"}
+MEASURES = ("samples_per_s", "bubble_fraction", "straggler_pct", "exposed_comm_ms", "step_ms", "mflop_per_sample",
+            "mfu_pct", "auc", "ne")
+HIGHER_IS_BETTER = {"samples_per_s", "mfu_pct", "auc"}
 
 
 def read_json(path: str) -> dict:
@@ -130,6 +132,8 @@ def run_once(experiment: str, layout: str, run_dir: str, overrides: list[str], l
         "straggler_pct": b["straggler_pct"],
         "exposed_comm_ms": b["exposed_comm_ms_per_step"],
         "step_ms": b["step_ms"],
+        "mflop_per_sample": round(b["train_flop_per_sample"] / 1e6, 4),
+        "mfu_pct": b["mfu_pct"],
         "auc": summaries[0]["eval/auc"],
         "ne": summaries[0]["eval/ne"],
         "wall_s": round(summaries[0]["wall_s"], 1),
@@ -188,7 +192,7 @@ def _cell(s: dict, digits: int) -> str:
 
 def print_table(source: str, layout: str, row: dict) -> None:
     digits = {"samples_per_s": 0, "bubble_fraction": 3, "straggler_pct": 1, "exposed_comm_ms": 1, "step_ms": 0,
-              "auc": 4, "ne": 4}
+              "mflop_per_sample": 3, "mfu_pct": 2, "auc": 4, "ne": 4}
     print(f"\n| {source}, {layout} | " + " | ".join(MEASURES) + " |")
     print("|---|" + "---|" * len(MEASURES))
     for e in ("baseline", "freescale"):
@@ -242,7 +246,7 @@ def main() -> None:
                         progress.update()
                         say(progress, f"[{done}/{total}] {source} {layout:>4} rep {rep} {e:<9} {r['samples_per_s']:7.0f} samples/s"
                               f" | bubbles {r['bubble_fraction']:.3f} | straggler {r['straggler_pct']:5.1f}% | exposed "
-                              f"comm {r['exposed_comm_ms']:5.1f} ms | auc {r['auc']:.4f} | ne {r['ne']:.4f} | "
+                              f"comm {r['exposed_comm_ms']:5.1f} ms | MFU {r['mfu_pct']:.2f}% | auc {r['auc']:.4f} | ne {r['ne']:.4f} | "
                               f"{r['wall_s']:.0f} s")
                 if first_pair is None:
                     first_pair = (runs["baseline"][-1]["run_dir"], runs["freescale"][-1]["run_dir"], source, layout)

@@ -128,7 +128,8 @@ class HSTURankingTask(_HSTUTask):
         features = torch.cat(features, dim=-1)
         logits = torch.cat([head(features) for head in self.heads], dim=-1)
         loss = F.binary_cross_entropy_with_logits(logits, labels, reduction="none").sum(-1).mean() * loss_scale
-        return loss, StepOutput(loss.detach(), logits.detach(), labels, sample_ids, uih_lengths, batch_index)
+        return loss, StepOutput(loss.detach(), logits.detach(), labels, sample_ids, uih_lengths, batch_index,
+                                cand_counts)
 
     def flops(self, uih_lengths, cand_counts) -> float:
         """Forward FLOPs (matrix products, 2 m n k) of these samples."""
@@ -187,7 +188,7 @@ class HSTURetrievalTask(_HSTUTask):
         logits = (q.index_select(0, to_device(_owner(cand_counts), device)) * cand_items).sum(-1, keepdim=True)
         extra = (q.detach(), cand_items.detach()) if not self.training else (None, None)
         return loss, StepOutput(loss.detach(), logits.detach() / self.task_cfg.temperature, labels, sample_ids,
-                                uih_lengths, batch_index, *extra)
+                                uih_lengths, batch_index, cand_counts, *extra)
 
     def _loss(self, queries, items, item_ids, target, owner, uih_lengths, cand_counts, first) -> torch.Tensor:
         """Mean over positions of the sampled softmax's cross-entropy (the positive in column 0)."""

@@ -23,5 +23,7 @@ class StepOutput(NamedTuple):
     sample_ids: torch.Tensor
     uih_lengths: torch.Tensor
     batch_index: torch.Tensor
+    cand_counts: torch.Tensor
+    """Host tensors, like ``uih_lengths``: with them the trainer counts the step's FLOPs (``freescale.model.flops``)."""
     queries: torch.Tensor | None = None
     items: torch.Tensor | None = None

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.device import to_device
+from freescale.model.flops import seqrec_flops
 from freescale.model.jagged_attention import JaggedLayout, offsets_of
 from freescale.model.output import StepOutput
 
@@ -78,6 +79,10 @@ class SeqRecTask(nn.Module):
         self.head = nn.Sequential(*mlp, nn.Linear(widths[-1], num_labels))  # one logit per label
         nn.init.normal_(self.positions.weight, std=0.02)
 
+    def flops(self, uih_lengths, cand_counts) -> float:
+        """Forward FLOPs on samples with these host lengths (``freescale.model.flops``)."""
+        return seqrec_flops(self.cfg, uih_lengths, cand_counts)
+
     def forward(
         self,
         uih: torch.Tensor,
@@ -122,7 +127,8 @@ class SeqRecTask(nn.Module):
             features.append(user_rows.index_select(0, to_device(owner, device)))
         logits = self.head(torch.cat(features, dim=-1))
         loss = F.binary_cross_entropy_with_logits(logits, labels) * loss_scale
-        return loss, StepOutput(loss.detach(), logits.detach(), labels, sample_ids, uih_lengths, batch_index)
+        return loss, StepOutput(loss.detach(), logits.detach(), labels, sample_ids, uih_lengths, batch_index,
+                                cand_counts)
 
 
 class SeqRecModel(nn.Module):

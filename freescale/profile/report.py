@@ -28,6 +28,8 @@ import numpy as np  # noqa: E402
 
 from freescale.io import write_text_atomic  # noqa: E402
 from freescale.profile.bubbles import as_rows, decompose, summarize  # noqa: E402
+from freescale.profile.mfu import mfu  # noqa: E402
+from freescale.profile.peak import PEAK_FILE  # noqa: E402
 from freescale.profile.timeline import read_timelines  # noqa: E402
 
 REPORT_DIR = "report"
@@ -57,6 +59,7 @@ def analyze(run_dir: str, warmup_steps: int | None = None) -> dict:
         raise ValueError(f"{run_dir}: the ranks' timelines share no complete step")
     result = summarize(rank_steps, warmup_steps)
     result["summary"].update(_embedding_measures(steps, result["summary"]))
+    result["summary"].update(_efficiency(steps, rank_steps, result["summary"], run_dir))
     device_timed = any("device_compute" in rec for recs in steps.values() for rec in recs)
     result["summary"]["compute_from"] = "device events" if device_timed else "main-thread CPU"
     result["run_dir"] = run_dir
@@ -100,6 +103,29 @@ def _embedding_measures(steps: dict[int, list[dict]], summary: dict) -> dict:
     for kind in _WAITS:
         total = sum(t1 - t0 for rec in records for k, t0, t1 in rec["spans"] if k == kind)
         out[f"{kind}_ms_per_step"] = round(1000.0 * total / len(records), 3)
+    return out
+
+
+def _efficiency(steps: dict[int, list[dict]], rank_steps: list, summary: dict, run_dir: str) -> dict:
+    """Training FLOPs per sample over the summarized steps and, against the run's measured
+    matmul peak (``freescale.profile.mfu``), model TFLOP/s and MFU: the FLOPs every rank trained
+    over the ranks' summed step time times the per-rank peak (runs that counted FLOPs only)."""
+    first, last = summary["first_step"], summary["last_step"]
+    kept = {(s.rank, s.step): s.T for s in rank_steps if first <= s.step <= last}
+    records = [rec for rank, recs in steps.items() for rec in recs if (rank, rec["step"]) in kept]
+    if not any("train_flops" in rec for rec in records):
+        return {}
+    flops = float(sum(rec.get("train_flops", 0.0) for rec in records))
+    samples = sum(rec.get("samples", 0) for rec in records)
+    seconds = sum(kept.values()) / summary["ranks"]  # the steps' wall time, mean over ranks
+    out = {"train_flop_per_sample": round(flops / samples, 1) if samples else 0.0,
+           "model_tflops": round(flops / seconds / 1e12, 6) if seconds > 0 else 0.0}
+    peak_path = os.path.join(run_dir, PEAK_FILE)
+    if os.path.exists(peak_path):
+        with open(peak_path) as f:
+            peak = json.load(f)["flop_per_s"]
+        out["peak_tflops_per_rank"] = round(peak / 1e12, 6)
+        out["mfu_pct"] = round(100.0 * mfu(flops, seconds, peak, summary["ranks"]), 4)
     return out
 
 
@@ -240,6 +266,10 @@ _SUMMARY_LABELS = {
     "collision_rate": "collision rate (rows batch i+1 reads that batch i writes)",
     "collision_wait_ms_per_step": "collision rows and gradients wait (ms/step)",
     "exclusive_wait_ms_per_step": "exclusive rows and deferred gradients wait (ms/step)",
+    "train_flop_per_sample": "training FLOPs per sample (forward + backward, model FLOPs)",
+    "model_tflops": "model TFLOP/s (all ranks)",
+    "peak_tflops_per_rank": "measured matmul peak (TFLOP/s per rank)",
+    "mfu_pct": "MFU % (model FLOP/s / (peak x ranks))",
     "steps": "steps (after warm-up)",
     "ranks": "ranks",
 }
@@ -286,7 +316,7 @@ def _html_single(data: dict, out: str, images: list[str]) -> str:
 def _html_compare(a: dict, b: dict, ratios: dict, out: str) -> str:
     rows = [[_SUMMARY_LABELS.get(k, k), a["summary"][k], b["summary"][k], ratios[k]] for k in _COMPARED]
     rows += [[_SUMMARY_LABELS[k], a["summary"].get(k, "-"), b["summary"].get(k, "-"), ""]
-             for k in ("collision_rate",) if k in a["summary"] or k in b["summary"]]
+             for k in ("collision_rate", "train_flop_per_sample", "mfu_pct") if k in a["summary"] or k in b["summary"]]
     body = [f"<h1>Bubble comparison</h1><p>A: {html.escape(a['run_dir'])}<br>B: {html.escape(b['run_dir'])}</p>",
             _table(["measure", "A", "B", "B / A"], rows),
             "<h2>Per rank, A</h2>", _per_rank_table(a["per_rank"]), "<h2>Per rank, B</h2>", _per_rank_table(b["per_rank"]),

@@ -48,6 +48,10 @@ class TorchRecTables:
         """The module whose non-fused parameters are the dense ones (DMP's: the whole model)."""
         return model
 
+    def task(self, model: nn.Module) -> nn.Module:
+        """The task inside DMP (it counts the model's FLOPs)."""
+        return model.module.task
+
     def dense_optimizer(self, optimizer):
         return dense_part(optimizer)
 
@@ -75,6 +79,9 @@ class OwnedTables:
         return build_dense_optimizer(model.task, cfg)
 
     def dense_module(self, model: nn.Module) -> nn.Module:
+        return model.task
+
+    def task(self, model: nn.Module) -> nn.Module:
         return model.task
 
     def dense_optimizer(self, optimizer):

@@ -39,6 +39,10 @@ from freescale.faults import build_faults
 from freescale.ft.replica import ReplicaFiles, build_replica
 from freescale.io import write_json_atomic
 from freescale.logging import log_file_path, log_to_file, setup_logging
+from freescale.model.flops import matmul_widths, training_flops
+from freescale.profile import mfu
+from freescale.profile.mfu import FlopsTally
+from freescale.profile.peak import PEAK_FILE, matmul_peak
 from freescale.profile.report import write_report
 from freescale.profile.straggler import inject_delay
 from freescale.profile.timeline import build_timeline
@@ -62,21 +66,23 @@ class TrainingError(RuntimeError):
 
 @dataclass
 class StepWindow:
-    """Losses and timing since the last log line."""
+    """Losses, samples, training FLOPs and timing since the last log line."""
 
     losses: list = field(default_factory=list)
     samples: int = 0
+    flops: float = 0.0
     started: float = field(default_factory=time.perf_counter)
 
-    def add(self, loss: torch.Tensor, samples: int) -> None:
+    def add(self, loss: torch.Tensor, samples: int, flops: float) -> None:
         self.losses.append(loss)
         self.samples += samples
+        self.flops += flops
 
     def totals(self) -> torch.Tensor:
-        """[sum of the losses, steps, samples] in float64, on the losses' device (the run's: a
-        loss is read back only here, once per log line, and the sum is reduced where it is)."""
+        """[sum of the losses, steps, samples, FLOPs] in float64, on the losses' device (the run's:
+        a loss is read back only here, once per log line, and the sum is reduced where it is)."""
         losses = torch.stack(self.losses)
-        counts = losses.new_tensor([float(len(self.losses)), float(self.samples)], dtype=torch.float64)
+        counts = losses.new_tensor([float(len(self.losses)), float(self.samples), self.flops], dtype=torch.float64)
         return torch.cat([losses.sum().double().reshape(1), counts])
 
 
@@ -164,6 +170,14 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     inject_delay(training.dense_module, timeline, rank=topo.rank, ranks=cfg.profile.delay_ranks,
                  delay_ms=cfg.profile.delay_ms)
 
+    # Efficiency: MFU is reported against the matmul peak measured (or cached) by the main rank,
+    # stored with the run; each step's training FLOPs are counted from its host lengths.
+    peak = distributed.broadcast_object(
+        matmul_peak(device, matmul_widths(cfg.model), cfg.profile.peak_cache) if topo.is_main else None, group)
+    if topo.is_main:
+        write_json_atomic(os.path.join(run_dir, PEAK_FILE), dataclasses.asdict(peak))
+    tally = FlopsTally()
+
     # Balancer: every global batch re-partitioned by cost (a NullBalancer keeps contiguous slices).
     balancer = build_balancer(cfg.balance, cfg.transport, inputs.cost_model, group=group,
                               user_hash_size=cfg.model.user_hash_size)
@@ -208,6 +222,8 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         if not vote.stepped:
             continue  # rolled back: the same batch again
         trainer.step += 1
+        flops = training_flops(training.task, out.uih_lengths, out.cand_counts) if vote.trained else 0.0
+        timeline.note("train_flops", flops)
         timeline.end_step(trainer.step, out)
         collector.step(trainer.step)
         if vote.trained:  # (a group that caught up in this step trains its batch in the next)
@@ -215,9 +231,9 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
             cursor.advance_past(batch_index)
             ledger.record(trainer.step, batch_index, out.sample_ids)
         replica.committed(trainer.step, cursor.next_batch, vote.trained)
-        window.add(out.loss, len(out.sample_ids) if vote.trained else 0)
+        window.add(out.loss, len(out.sample_ids) if vote.trained else 0, flops)
         if _due(trainer.step, cfg.run.log_every, cfg.train.steps):
-            window = _log_progress(trainer.step, window, metrics, log, group)
+            window = _log_progress(trainer.step, window, metrics, log, group, peak.flop_per_s, tally)
         if held_out and _due(trainer.step, cfg.train.eval_every, cfg.train.steps):
             metrics.write({"step": trainer.step, **_evaluate(pipeline, held_out, log, trainer.step, group, cfg,
                                                              inputs.train_source.num_items)})
@@ -236,6 +252,8 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         "resumed_from": resume_from or None,
         "ranks": topo.world_size,
         "wall_s": round(time.perf_counter() - started, 3),
+        "efficiency": {**mfu.measures(tally.flops, tally.samples, tally.seconds, peak.flop_per_s, topo.world_size),
+                       "peak(TFLOP/s per rank)": round(peak.flop_per_s / 1e12, 6)},
     }
     if trainer.step == first_step:
         log.info(f"nothing to train: already at step {trainer.step} of {cfg.train.steps}")
@@ -315,21 +333,25 @@ def _due(step: int, every: int, last: int) -> bool:
 
 
 def _log_progress(step: int, window: StepWindow, metrics: MetricsLog, log: logging.Logger,
-                  group: dist.ProcessGroup) -> StepWindow:
-    """Mean loss over the replica's ranks and the window's steps, global samples/s; starts a new window."""
+                  group: dist.ProcessGroup, peak_flop_per_s: float, tally: FlopsTally) -> StepWindow:
+    """Mean loss over the replica's ranks and the window's steps, the replica's samples/s, model
+    TFLOP/s and MFU (against the per-rank peak times the ranks); starts a new window."""
     totals = window.totals()
     dist.all_reduce(totals, group=group)
     elapsed = time.perf_counter() - window.started
-    loss = (totals[0] / totals[1]).item()
+    loss, samples, flops = (totals[0] / totals[1]).item(), totals[2].item(), totals[3].item()
+    tally.add(flops, samples, elapsed)
     record = {
         "step": step,
         "train/loss": loss,
-        "throughput/samples_per_s": round(totals[2].item() / elapsed, 2),
+        "throughput/samples_per_s": round(samples / elapsed, 2),
         "time/step(ms)": round(1000 * elapsed / len(window.losses), 3),
+        **mfu.measures(flops, samples, elapsed, peak_flop_per_s, dist.get_world_size(group)),
     }
     metrics.write(record)
     log.info(f"loss {loss:.4f} | {record['throughput/samples_per_s']:.0f} samples/s | "
-             f"{record['time/step(ms)']:.1f} ms/step", extra={"step": step})
+             f"{record['time/step(ms)']:.1f} ms/step | {1000 * record['train/tflops(TFLOP/s)']:.2f} GFLOP/s | "
+             f"MFU {record['train/mfu(%)']:.2f}%", extra={"step": step})
     return StepWindow()
 
 
@@ -386,9 +408,11 @@ def _write_bubble_report(run_dir: str, cfg: ExperimentConfig, log: logging.Logge
     with open(path) as f:
         summary = json.load(f)["summary"]
     collision = (f" | collision rate {100 * summary['collision_rate']:.1f}%" if "collision_rate" in summary else "")
+    efficiency = (f" | {summary['train_flop_per_sample'] / 1e6:.2f} MFLOP/sample, MFU {summary['mfu_pct']:.2f}%"
+                  if "mfu_pct" in summary else "")
     log.info(f"bubbles: fraction {summary['bubble_fraction']:.3f} | straggler {summary['straggler_pct']:.1f}% | "
              f"exposed comm {summary['exposed_comm_ms_per_step']:.1f} ms/step | data wait "
-             f"{summary['data_wait_ms_per_step']:.1f} ms/step{collision} -> {os.path.dirname(path)}/report.html")
+             f"{summary['data_wait_ms_per_step']:.1f} ms/step{collision}{efficiency} -> {os.path.dirname(path)}/report.html")
     return summary
 
 

@@ -40,6 +40,11 @@ class Training:
         """The module of the dense layers (straggler injection delays its forward)."""
         return self.pipeline_class.table_kind.dense_module(self.model)
 
+    @property
+    def task(self) -> nn.Module:
+        """The model's task (``flops`` counts a batch's model FLOPs: ``freescale.model.flops``)."""
+        return self.pipeline_class.table_kind.task(self.model)
+
     def dense_parameters(self) -> list[nn.Parameter]:
         return dense_parameters(self.dense_module)
 

@@ -59,7 +59,7 @@ def fake_model(queries):
         cands = batch.seq_features.values()[n_uih:]
         q = torch.stack([torch.from_numpy(queries[int(s)]) for s in batch.sample_ids]) if n_uih else None
         out = StepOutput(torch.zeros(()), torch.zeros(len(cands), 1), batch.labels, batch.sample_ids,
-                         batch.uih_lengths, batch.batch_index, q, vectors[cands])
+                         batch.uih_lengths, batch.batch_index, batch.cand_counts, q, vectors[cands])
         return torch.zeros(()), out
     return model
 

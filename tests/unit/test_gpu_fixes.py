@@ -22,14 +22,15 @@ from freescale.transport.torch_dist import TorchDistTransport, sliced_wait_is_sa
 def test_the_log_line_sums_the_losses_on_their_own_device():
     # Losses on a device (meta here), the step and sample counts from the host: one tensor on the
     # losses' device, which the group reduces where it is.
+    # The training FLOPs, counted on the host from the steps' lengths, travel in the same tensor.
     window = StepWindow()
-    window.add(torch.tensor(0.5, device="meta"), 3)
-    window.add(torch.tensor(0.25, device="meta"), 4)
-    assert window.totals().device.type == "meta" and window.totals().shape == (3,)
+    window.add(torch.tensor(0.5, device="meta"), 3, 1e6)
+    window.add(torch.tensor(0.25, device="meta"), 4, 2e6)
+    assert window.totals().device.type == "meta" and window.totals().shape == (4,)
     window = StepWindow()
-    window.add(torch.tensor(0.5), 3)
-    window.add(torch.tensor(0.25), 4)
-    assert window.totals().tolist() == [0.75, 2.0, 7.0] and window.totals().dtype == torch.float64
+    window.add(torch.tensor(0.5), 3, 1e6)
+    window.add(torch.tensor(0.25), 4, 2e6)
+    assert window.totals().tolist() == [0.75, 2.0, 7.0, 3e6] and window.totals().dtype == torch.float64
 
 
 def test_a_gpu_jobs_group_carries_host_tensors_on_gloo_beside_nccl():
