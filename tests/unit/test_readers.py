@@ -49,7 +49,7 @@ def test_samples_follow_each_users_timeline(tmp_path):
     ]
     split = lambda values, lengths: [v.tolist() for v in np.split(values, np.cumsum(lengths)[:-1])]
     got = list(zip(split(s.uih_values, s.uih_lengths), split(s.cand_values, s.cand_counts),
-                   split(s.labels.astype(int), s.cand_counts)))
+                   split(s.labels[:, 0].astype(int), s.cand_counts)))
     want = [([items_of(x) for x in u], [items_of(x) for x in c], l) for u, c, l in expect]
     assert got == [tuple(w) for w in want]
     np.testing.assert_array_equal(s.sample_ids, np.arange(4))
