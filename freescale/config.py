@@ -104,6 +104,8 @@ class SyntheticDataConfig:
     """Items every batch may share (the first of each cluster); 0 = none."""
     hot_prob: Annotated[float, Probability] = 0.0
     """Probability that an event's item is a hot one: with a large num_items, the knob for the share of rows consecutive batches have in common (their collision rate)."""
+    num_labels: Annotated[int, Range(min=1, max=2)] = 1
+    """Labels per candidate (ranking): 1 = click; 2 = click and liked (clicked, then a second draw from the item's quality and the user's preference)."""
 
 
 @dataclass
@@ -111,9 +113,11 @@ class RatingsDataConfig:
     path: str = ""
     """Ratings log: `user,item,rating,timestamp` CSV, MovieLens `::` ratings.dat, or tab-separated u.data."""
     positive_rating: float = 4.0
-    """A candidate's label is 1 when its rating is at least this."""
+    """A candidate's label 0 is 1 when its rating is at least this."""
+    more_labels: list[float] = field(default_factory=list)
+    """Further rating thresholds (ranking): label k is 1 when the rating is at least more_labels[k-1]."""
     holdout_fraction: Annotated[float, Range(min=0.0, max=0.9)] = 0.1
-    """Latest fraction of samples (by time) held out for evaluation."""
+    """Latest fraction of samples (by time) held out for evaluation (ranking; retrieval holds out each user's last event instead)."""
     cache: str = "runs/cache"
     """Folder MovieLens-100K is downloaded into once (data.source ml100k); never part of the repository."""
 

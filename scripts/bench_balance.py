@@ -164,7 +164,7 @@ def training_bound(model: CostModel, ranks: int, steps: int) -> float:
     from freescale.data.loader import build_sources
 
     cfg = load_config(CONFIG)
-    train, _ = build_sources(cfg.data, cfg.run.seed)
+    train, _ = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
     n = cfg.data.batch_size * ranks
     bounds = []
     for k in range(steps):

@@ -69,7 +69,7 @@ prioritized pipeline (what the transport alone gives); the prioritized pipeline.
 def collision_rate(hot_prob: float, ranks: int, overrides: list[str], batches: int = 6) -> float:
     """The item-row collision rate of consecutive global batches at ``hot_prob`` (from the data alone)."""
     cfg = load_config(CONFIG, [*overrides, f"--data.synthetic.hot_prob={hot_prob}"])
-    source, _ = build_sources(cfg.data, cfg.run.seed)
+    source, _ = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
     n = cfg.data.batch_size * ranks
     rows = []
     for k in range(batches + 1):

@@ -120,7 +120,7 @@ def fit_rank_costs(run_dir: str, cfg, ranks: int, model, warmup: int) -> dict:
     each rank's lateness that leaves unpredicted (``jitter_steps``; their spread,
     ``compute_jitter``); the step records' ``process_cpu`` less ``cpu`` the other threads' CPU
     (``background_cpu_ms``)."""
-    source, _ = build_sources(cfg.data, cfg.run.seed)
+    source, _ = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
     records = {}
     for r in range(ranks):
         with open(os.path.join(run_dir, "profile", f"rank{r}.jsonl")) as f:

@@ -2,11 +2,11 @@
 
 Protocol, per global batch ``k`` (each rank starts from its contiguous slice, in time order):
 
-I.   all-gather every rank's per-sample (UIH length, candidate count);
+I.   all-gather every rank's per-sample (UIH length, candidate count, labels per candidate);
 II.  every rank computes the same partition of the global batch from the calibrated cost
      (``cost(L, C)``, pure and deterministic, so no rank needs to be told the result);
-III. all-to-all the samples (meta, UIH ids, candidate ids, labels) to their new ranks. Split
-     sizes follow from (I) and (II), so no size exchange precedes the payload.
+III. all-to-all the samples (meta, UIH ids and times, candidate ids and times, labels) to their
+     new ranks. Split sizes follow from (I) and (II), so no size exchange precedes the payload.
 
 Rank ``r`` receives its samples grouped by source rank, each group in the source's order;
 sources are consecutive slices of the global batch, so the result is in global time order.
@@ -51,20 +51,21 @@ class Balancer:
     # The three stages ----------------------------------------------------------------------
 
     def gather_sizes(self, local: Samples):
-        """Stage I: issue the all-gather of (L, C); ``wait()`` gives the global [N, 2] array."""
-        sizes = torch.from_numpy(np.stack([local.uih_lengths, local.cand_counts], axis=1).astype(np.int64))
-        return self.transport.all_gather(sizes)
+        """Stage I: issue the all-gather of (L, C, K); ``wait()`` gives the global [N, 3] array."""
+        labels_per_candidate = np.full(len(local), local.labels.shape[1], dtype=np.int64)
+        sizes = np.stack([local.uih_lengths, local.cand_counts, labels_per_candidate], axis=1).astype(np.int64)
+        return self.transport.all_gather(torch.from_numpy(sizes))
 
     def plan(self, global_sizes: np.ndarray, local_count: int) -> "_Plan":
         """Stage II: the partition, and what this rank sends to and receives from each rank."""
-        L, C = global_sizes[:, 0], global_sizes[:, 1]
+        L, C, K = global_sizes[:, 0], global_sizes[:, 1], global_sizes[:, 2]
         parts = self.partition(self.cost_model.cost(L, C), self.world_size)
         owner = np.empty(len(L), dtype=np.int64)
         for r, p in enumerate(parts):
             owner[p] = r
         counts = self._slice_counts(len(L), local_count)
         source = np.repeat(np.arange(self.world_size), counts)
-        words = _META + L + 2 * C
+        words = _META + 2 * L + (2 + K) * C
         mine = slice(int(counts[: self.rank].sum()), int(counts[: self.rank + 1].sum()))
         send_owner = owner[mine]
         send_order = np.argsort(send_owner, kind="stable")
@@ -74,7 +75,7 @@ class Balancer:
         return _Plan(send_order=send_order, send_counts=np.bincount(send_owner, minlength=self.world_size),
                      input_splits=input_splits.tolist(), output_splits=output_splits.tolist(),
                      recv_sizes=global_sizes[recv], recv_sources=source[recv],
-                     scale=self._loss_scale(C, recv))
+                     scale=self._loss_scale(C, recv), num_labels=int(K[0]) if len(K) else 1)
 
     def exchange(self, local: Samples, plan: "_Plan"):
         """Stage III: issue the all-to-all; ``_Exchange.wait()`` gives this rank's Samples."""
@@ -137,9 +138,10 @@ class _Plan:
     send_counts: np.ndarray  # samples to each rank
     input_splits: list[int]  # int64 words to each rank
     output_splits: list[int]  # int64 words from each rank
-    recv_sizes: np.ndarray  # (L, C) of the samples this rank receives, in global order
+    recv_sizes: np.ndarray  # (L, C, K) of the samples this rank receives, in global order
     recv_sources: np.ndarray  # source rank of each of them
     scale: float  # loss scale (vbs)
+    num_labels: int  # labels per candidate, K (the same for every sample of a run)
 
 
 class _Exchange:
@@ -153,13 +155,14 @@ class _Exchange:
         offset = 0
         for src, words in enumerate(self.plan.output_splits):
             sizes = self.plan.recv_sizes[self.plan.recv_sources == src]
-            parts.append(_unpack(buffer[offset:offset + words], sizes))
+            parts.append(_unpack(buffer[offset:offset + words], sizes, self.plan.num_labels))
             offset += words
         return Samples.concat(parts)
 
 
 def _pack(samples: Samples, counts: np.ndarray) -> np.ndarray:
-    """One int64 buffer: per destination, [meta rows, UIH ids, candidate ids, label bits].
+    """One int64 buffer: per destination, [meta rows, UIH ids, UIH times, candidate ids, candidate
+    times, label bits (row-major [candidates, K])].
 
     ``samples`` are grouped by destination, ``counts[j]`` of them for rank ``j``.
     """
@@ -170,22 +173,24 @@ def _pack(samples: Samples, counts: np.ndarray) -> np.ndarray:
 
 def _encode(s: Samples) -> np.ndarray:
     meta = np.stack([s.sample_ids, s.user_ids, s.uih_lengths, s.cand_counts], axis=1).reshape(-1)
-    labels = s.labels.astype(np.float64).view(np.int64)
-    return np.concatenate([meta.astype(np.int64), s.uih_values.astype(np.int64), s.cand_values.astype(np.int64), labels])
+    labels = s.labels.astype(np.float64).reshape(-1).view(np.int64)
+    return np.concatenate([meta.astype(np.int64), s.uih_values.astype(np.int64), s.uih_timestamps.astype(np.int64),
+                           s.cand_values.astype(np.int64), s.cand_timestamps.astype(np.int64), labels])
 
 
-def _unpack(buffer: np.ndarray, sizes: np.ndarray) -> Samples:
+def _unpack(buffer: np.ndarray, sizes: np.ndarray, num_labels: int) -> Samples:
+    """The samples of one source's chunk; ``sizes`` are their gathered (L, C, K), and
+    ``num_labels`` is the batch's K (an empty chunk's labels are [0, K] too)."""
     n = len(sizes)
     meta = buffer[: _META * n].reshape(n, _META)
     L, C = meta[:, 2], meta[:, 3]
     if not (np.array_equal(L, sizes[:, 0]) and np.array_equal(C, sizes[:, 1])):
         raise RuntimeError("balancer: received samples do not match the gathered sizes")
-    a = _META * n
-    b = a + int(L.sum())
-    c = b + int(C.sum())
-    return Samples(sample_ids=meta[:, 0].copy(), user_ids=meta[:, 1].copy(), uih_lengths=L.copy(), uih_values=buffer[a:b].copy(),
-                   cand_counts=C.copy(), cand_values=buffer[b:c].copy(),
-                   labels=buffer[c:c + int(C.sum())].view(np.float64).astype(np.float32))
+    bounds = np.cumsum([_META * n, int(L.sum()), int(L.sum()), int(C.sum()), int(C.sum()), num_labels * int(C.sum())])
+    uih, uih_times, cand, cand_times, labels = (buffer[lo:hi].copy() for lo, hi in zip(bounds[:-1], bounds[1:]))
+    return Samples(sample_ids=meta[:, 0].copy(), user_ids=meta[:, 1].copy(), uih_lengths=L.copy(), uih_values=uih,
+                   uih_timestamps=uih_times, cand_counts=C.copy(), cand_values=cand, cand_timestamps=cand_times,
+                   labels=labels.view(np.float64).astype(np.float32).reshape(-1, num_labels))
 
 
 class NullBalancer:

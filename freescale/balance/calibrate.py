@@ -17,6 +17,7 @@ import torch
 from freescale.balance.cost import CostModel, fit_cost_model
 from freescale.config import ExperimentConfig
 from freescale.data.batch import Batch, Samples
+from freescale.data.features import label_names
 from freescale.device import Streams
 from freescale.distributed import resolve_device
 from freescale.progress import bar, say
@@ -29,12 +30,18 @@ def default_grid(max_uih_len: int, num_candidates: int) -> tuple[list[int], list
     return lengths, candidates
 
 
-def _batch(n: int, L: int, C: int, num_items: int, rng: np.random.Generator, user_hash_size: int) -> Batch:
+REQUEST_TIME = 1_700_000_000  # seconds; the calibration batches' histories end a minute apart before it
+
+
+def _batch(n: int, L: int, C: int, num_items: int, rng: np.random.Generator, user_hash_size: int,
+           num_labels: int = 1) -> Batch:
     samples = Samples(
         sample_ids=np.arange(n, dtype=np.int64), user_ids=rng.integers(0, 1 << 30, n),
         uih_lengths=np.full(n, L, dtype=np.int64), uih_values=rng.integers(0, num_items, n * L),
+        uih_timestamps=np.tile(REQUEST_TIME - 60 * np.arange(L, 0, -1, dtype=np.int64), n),
         cand_counts=np.full(n, C, dtype=np.int64), cand_values=rng.integers(0, num_items, n * C),
-        labels=rng.integers(0, 2, n * C).astype(np.float32),
+        cand_timestamps=np.full(n * C, REQUEST_TIME, dtype=np.int64),
+        labels=rng.integers(0, 2, (n * C, num_labels)).astype(np.float32),
     )
     return Batch.from_samples(samples, 0, user_hash_size)
 
@@ -48,14 +55,16 @@ def calibrate(cfg: ExperimentConfig, *, repeats: int = 5, tokens_per_batch: int 
     model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items, **task_settings(cfg),
                         device=device)
     rng = np.random.default_rng(cfg.run.seed)
-    lengths, candidates = default_grid(cfg.data.max_uih_len, cfg.data.num_candidates)
+    candidates_per_sample = 1 + cfg.task.num_negatives if cfg.task.kind == "retrieval" else cfg.data.num_candidates
+    lengths, candidates = default_grid(cfg.data.max_uih_len, candidates_per_sample)
+    num_labels = len(label_names(cfg.data, cfg.task.kind))
     rows = []
     total = len(lengths) * len(candidates)
     points = bar(total=total, desc="calibrate", unit="point")
     for i, L in enumerate(lengths):
         n = int(np.clip(tokens_per_batch // L, 1, cfg.data.batch_size))
         for C in candidates:
-            batch = _batch(n, L, C, num_items, rng, cfg.model.user_hash_size).to(device)
+            batch = _batch(n, L, C, num_items, rng, cfg.model.user_hash_size, num_labels).to(device)
             times = []
             for rep in range(repeats + 1):
                 streams.synchronize()

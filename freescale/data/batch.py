@@ -5,10 +5,14 @@ move between ranks) and turned into a ``Batch`` of tensors for the model. The sp
 features are TorchRec ``KeyedJaggedTensor``s so that ``TrainPipelineSparseDist`` can start
 their input distribution ahead of the forward pass.
 
-A batch's shape (history lengths, candidate counts), its sample ids and its index stay in host
-memory when the batch moves to a device (``HOST_FIELDS``): everything whose value decides a
-size or an index is computed from them on the host (the attention's groups, the pipelines'
-routes), so the host never waits for the device to learn a number.
+A batch's shape (history lengths, candidate counts), its sample ids, its index and its event
+times stay in host memory when the batch moves to a device (``HOST_FIELDS``): everything whose
+value decides a size or an index is computed from them on the host (the attention's groups, the
+pipelines' routes, the buckets of time differences), so the host never waits for the device to
+learn a number.
+
+Labels are 2-D, ``[candidates, K]`` with ``K >= 1`` labels per candidate
+(``freescale.data.features.label_names`` names them).
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from torchrec.streamable import Pipelineable
 from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.device import accelerated, to_device
 
-HOST_FIELDS = ("uih_lengths", "cand_counts", "sample_ids", "batch_index")
+HOST_FIELDS = ("uih_lengths", "cand_counts", "sample_ids", "batch_index", "uih_timestamps", "cand_timestamps")
 """The fields that stay on the host when a batch moves to a device."""
 SPARSE_FIELDS = ("seq_features", "user_features")
 """The ids: the device's for TorchRec's tables; the pipelines over FreeScale's own tables route
@@ -34,17 +38,20 @@ them from the host and leave them there."""
 class Samples:
     """A run of samples in time order, jagged fields flattened.
 
-    ``uih_values`` holds the histories back to back (``uih_lengths`` each), and likewise
-    ``cand_values`` / ``labels`` with ``cand_counts``.
+    ``uih_values`` holds the histories back to back (``uih_lengths`` each, oldest event first),
+    and likewise ``cand_values`` / ``labels`` with ``cand_counts``. Timestamps are in seconds;
+    a history's are non-decreasing and at most its candidates'.
     """
 
     sample_ids: np.ndarray  # int64 [n]
     user_ids: np.ndarray  # int64 [n]
     uih_lengths: np.ndarray  # int64 [n]
     uih_values: np.ndarray  # int64 [sum(uih_lengths)]
+    uih_timestamps: np.ndarray  # int64 [sum(uih_lengths)], seconds
     cand_counts: np.ndarray  # int64 [n]
     cand_values: np.ndarray  # int64 [sum(cand_counts)]
-    labels: np.ndarray  # float32 [sum(cand_counts)]
+    cand_timestamps: np.ndarray  # int64 [sum(cand_counts)], seconds
+    labels: np.ndarray  # float32 [sum(cand_counts), K], K >= 1
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -59,8 +66,10 @@ class Samples:
             user_ids=self.user_ids[index],
             uih_lengths=self.uih_lengths[index],
             uih_values=self.uih_values[uih],
+            uih_timestamps=self.uih_timestamps[uih],
             cand_counts=self.cand_counts[index],
             cand_values=self.cand_values[cand],
+            cand_timestamps=self.cand_timestamps[cand],
             labels=self.labels[cand],
         )
 
@@ -91,10 +100,15 @@ class Batch(Pipelineable):
     uih_lengths: torch.Tensor
     cand_counts: torch.Tensor
     labels: torch.Tensor
+    """float32 [sum(cand_counts), K]."""
     sample_ids: torch.Tensor
     batch_index: torch.Tensor
     loss_scale: torch.Tensor
     """Multiplies the local mean loss; 1 unless ranks hold unequal shares (see balance.balancer)."""
+    uih_timestamps: torch.Tensor
+    """int64 seconds [sum(uih_lengths)], on the host."""
+    cand_timestamps: torch.Tensor
+    """int64 seconds [sum(cand_counts)], on the host."""
 
     @staticmethod
     def from_samples(samples: Samples, batch_index: int, user_hash_size: int, loss_scale: float = 1.0) -> "Batch":
@@ -119,6 +133,8 @@ class Batch(Pipelineable):
             sample_ids=torch.from_numpy(samples.sample_ids),
             batch_index=torch.tensor(batch_index, dtype=torch.int64),
             loss_scale=torch.tensor(loss_scale, dtype=torch.float32),
+            uih_timestamps=torch.from_numpy(samples.uih_timestamps),
+            cand_timestamps=torch.from_numpy(samples.cand_timestamps),
         )
 
     def __len__(self) -> int:

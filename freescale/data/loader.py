@@ -19,7 +19,7 @@ from typing import Iterator, Protocol
 
 import numpy as np
 
-from freescale.config import DataConfig
+from freescale.config import DataConfig, TaskConfig
 from freescale.data.batch import Batch, Samples
 from freescale.data.ml100k import ensure_ml100k
 from freescale.data.readers import RatingsSource, read_ratings
@@ -34,15 +34,17 @@ class SampleSource(Protocol):
     def samples_at(self, positions: np.ndarray) -> Samples: ...
 
 
-def build_sources(cfg: DataConfig, seed: int) -> tuple[SampleSource, SampleSource]:
-    """The (train, eval) sources the config names."""
-    common = dict(min_uih_len=cfg.min_uih_len, max_uih_len=cfg.max_uih_len, num_candidates=cfg.num_candidates)
+def build_sources(cfg: DataConfig, seed: int, task: TaskConfig | None = None) -> tuple[SampleSource, SampleSource]:
+    """The (train, eval) sources the config names, with the samples of ``task`` (default: ranking)."""
+    task = task or TaskConfig()
+    common = dict(min_uih_len=cfg.min_uih_len, max_uih_len=cfg.max_uih_len, num_candidates=cfg.num_candidates,
+                  task=task.kind, num_negatives=task.num_negatives)
     if cfg.source == "synthetic":
         return tuple(SyntheticSource(cfg.synthetic, seed=seed, split=s, **common) for s in ("train", "eval"))
     log = read_ratings(ensure_ml100k(cfg.ratings.cache) if cfg.source == "ml100k" else cfg.ratings.path)
     return tuple(
-        RatingsSource(log, split=s, positive_rating=cfg.ratings.positive_rating,
-                      holdout_fraction=cfg.ratings.holdout_fraction, **common)
+        RatingsSource(log, split=s, positive_rating=cfg.ratings.positive_rating, more_labels=tuple(cfg.ratings.more_labels),
+                      holdout_fraction=cfg.ratings.holdout_fraction, seed=seed, **common)
         for s in ("train", "eval")
     )
 

@@ -16,7 +16,26 @@ The generative story, which plants a signal a sequence model can learn:
 - half the candidates come from preferred clusters; a candidate is clicked with probability
   ``sigmoid(base_logit + preference_logit * [cluster preferred] + quality(item))``, where
   ``quality`` is a fixed per-item draw of standard deviation ``quality_std``. The preference
-  term is the larger one, and the model can only learn it by reading the history.
+  term is the larger one, and the model can only learn it by reading the history;
+- with ``num_labels: 2`` a clicked candidate is also "liked" with probability
+  ``sigmoid(preference_logit * ([cluster preferred] - 1/2) + 2 * quality(item))``: a second
+  label, correlated with the click and learnable from the same two signals.
+
+Times (int64 seconds): sample ``i`` is requested at ``START_TIME + i * REQUEST_GAP`` (each
+split's stream has its own positions on the same clock), and its candidates are shown then.
+Its history goes back from the request in gaps drawn from a lognormal (log-space standard
+deviation ``GAP_SIGMA``) whose mean is ``HISTORY_SPAN / L`` for a history of ``L`` events, clipped
+to ``[1 s, MAX_GAP]``: a typical history reaches back about ``HISTORY_SPAN`` whatever its length,
+short histories spaced by days to weeks, long ones by seconds to hours. The gaps are at least a
+second, so a history's times strictly decrease going back from the request.
+
+Retrieval (``task="retrieval"``): the history is drawn the same way, and the candidates are
+the next event of the user, drawn like a history event (preferred cluster with probability
+``affinity``), followed by ``num_negatives`` uniform negatives
+(``freescale.data.retrieval``); all at the request time.
+
+Draws for the times, the second label and the next item come from their own generators, so a
+split's histories, candidates and clicks are the same whichever of them are asked for.
 """
 
 from __future__ import annotations
@@ -27,12 +46,25 @@ import numpy as np
 
 from freescale.config import SyntheticDataConfig
 from freescale.data.batch import Samples
+from freescale.data.retrieval import next_item_candidates
+from freescale.data.retrieval import splitmix64 as _mix
 
 BLOCK = 4096
 """Samples per independently seeded block of the stream."""
 SPLITS = {"train": 0, "eval": 1}
 EVAL_ID_OFFSET = 1 << 40
 """Eval sample ids start here so they never equal a training sample id."""
+START_TIME = 1_700_000_000
+"""Request time of stream position 0 (seconds since the epoch, November 2023)."""
+REQUEST_GAP = 1
+"""Seconds between consecutive requests of a stream."""
+HISTORY_SPAN = 180 * 86400
+"""Mean time a history reaches back before its request, in seconds."""
+GAP_SIGMA = 2.0
+"""Log-space standard deviation of the gaps between a user's events."""
+MAX_GAP = 90 * 86400
+"""Longest gap between two events of a history, in seconds."""
+_TIMES, _LIKED, _NEXT = 1, 2, 3  # SeedSequence keys of the side generators
 
 
 def sample_uih_lengths(cfg: SyntheticDataConfig, n: int, min_len: int, max_len: int, rng: np.random.Generator) -> np.ndarray:
@@ -43,22 +75,15 @@ def sample_uih_lengths(cfg: SyntheticDataConfig, n: int, min_len: int, max_len: 
     return np.clip(np.rint(lengths), min_len, max_len).astype(np.int64)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finalizer: a cheap, well-spread integer hash."""
-    x = x.astype(np.uint64)
-    with np.errstate(over="ignore"):
-        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        x = x ^ (x >> np.uint64(31))
-    return x
-
-
 class SyntheticSource:
     """Infinite stream of samples for one split ("train" or "eval")."""
 
-    def __init__(self, cfg: SyntheticDataConfig, *, seed: int, split: str, min_uih_len: int, max_uih_len: int, num_candidates: int) -> None:
+    def __init__(self, cfg: SyntheticDataConfig, *, seed: int, split: str, min_uih_len: int, max_uih_len: int, num_candidates: int,
+                 task: str = "ranking", num_negatives: int = 0) -> None:
         if split not in SPLITS:
             raise ValueError(f"unknown split {split!r}; expected one of {sorted(SPLITS)}")
+        if task not in ("ranking", "retrieval"):
+            raise ValueError(f"unknown task {task!r}; expected ranking or retrieval")
         if cfg.num_items < cfg.num_clusters:
             raise ValueError(f"data.synthetic.num_items ({cfg.num_items}) must be at least num_clusters ({cfg.num_clusters})")
         self.cfg = cfg
@@ -67,6 +92,8 @@ class SyntheticSource:
         self.min_uih_len = min_uih_len
         self.max_uih_len = max_uih_len
         self.num_candidates = num_candidates
+        self.task = task
+        self.num_negatives = num_negatives
         self._block = lru_cache(maxsize=4)(self._generate_block)
 
     @property
@@ -118,26 +145,63 @@ class SyntheticSource:
         uih_clusters = self._draw_clusters(rng, prefs, owner, cfg.affinity)
         uih = uih_clusters + cfg.num_clusters * self._draw_within(rng, per_cluster, len(owner))
 
-        counts = np.full(n, self.num_candidates, dtype=np.int64)
-        cand_owner = np.repeat(np.arange(n), counts)
-        cand_clusters = self._draw_clusters(rng, prefs, cand_owner, 0.5)
-        cands = cand_clusters + cfg.num_clusters * self._draw_within(rng, per_cluster, len(cand_owner))
-        preferred = (prefs[cand_owner] == cand_clusters[:, None]).any(axis=1)
-        logit = cfg.base_logit + cfg.preference_logit * preferred + self.item_quality(cands)
-        labels = (rng.random(len(cand_owner)) < 1.0 / (1.0 + np.exp(-logit))).astype(np.float32)
-
         ids = np.arange(block * n, (block + 1) * n, dtype=np.int64)
+        request = START_TIME + REQUEST_GAP * ids
+        uih_times = self._history_times(block, request, lengths)
         if self.split == "eval":
             ids += EVAL_ID_OFFSET
+        if self.task == "retrieval":
+            nxt = np.random.default_rng(np.random.SeedSequence([self.seed, SPLITS[self.split], block, _NEXT]))
+            next_items = (self._draw_clusters(nxt, prefs, np.arange(n), cfg.affinity)
+                          + cfg.num_clusters * self._draw_within(nxt, per_cluster, n))
+            counts, cands, cand_times, labels = next_item_candidates(
+                ids, next_items, request, seed=self.seed, num_negatives=self.num_negatives, num_items=cfg.num_items)
+        else:
+            counts, cands, labels = self._ranking_candidates(rng, block, prefs, per_cluster)
+            cand_times = np.repeat(request, counts)
         return Samples(
             sample_ids=ids,
             user_ids=users,
             uih_lengths=lengths,
             uih_values=uih.astype(np.int64),
+            uih_timestamps=uih_times,
             cand_counts=counts,
             cand_values=cands.astype(np.int64),
+            cand_timestamps=cand_times,
             labels=labels,
         )
+
+    def _ranking_candidates(self, rng: np.random.Generator, block: int, prefs: np.ndarray, per_cluster: int):
+        """(counts, items, labels [.., num_labels]) of a block's ranking candidates."""
+        cfg = self.cfg
+        n = len(prefs)
+        counts = np.full(n, self.num_candidates, dtype=np.int64)
+        cand_owner = np.repeat(np.arange(n), counts)
+        cand_clusters = self._draw_clusters(rng, prefs, cand_owner, 0.5)
+        cands = cand_clusters + cfg.num_clusters * self._draw_within(rng, per_cluster, len(cand_owner))
+        preferred = (prefs[cand_owner] == cand_clusters[:, None]).any(axis=1)
+        quality = self.item_quality(cands)
+        logit = cfg.base_logit + cfg.preference_logit * preferred + quality
+        click = rng.random(len(cand_owner)) < _sigmoid(logit)
+        labels = [click]
+        if cfg.num_labels > 1:
+            liked_rng = np.random.default_rng(np.random.SeedSequence([self.seed, SPLITS[self.split], block, _LIKED]))
+            liked_logit = cfg.preference_logit * (preferred - 0.5) + 2.0 * quality
+            labels.append(click & (liked_rng.random(len(cand_owner)) < _sigmoid(liked_logit)))
+        return counts, cands, np.stack(labels, axis=1).astype(np.float32)
+
+    def _history_times(self, block: int, request: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+        """int64 [sum(lengths)]: each history's event times, oldest first, going back from its request."""
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, SPLITS[self.split], block, _TIMES]))
+        owner = np.repeat(np.arange(len(lengths)), lengths)
+        # A lognormal with mean HISTORY_SPAN / L has median HISTORY_SPAN / L / exp(sigma^2 / 2).
+        median = HISTORY_SPAN / np.maximum(lengths, 1)[owner] / np.exp(GAP_SIGMA ** 2 / 2)
+        gaps = np.clip(np.rint(median * np.exp(GAP_SIGMA * rng.standard_normal(len(owner)))), 1, MAX_GAP).astype(np.int64)
+        # Event k of a history is its request minus the gaps of events k..L-1 (the suffix sum).
+        cum = np.cumsum(gaps)
+        ends = np.cumsum(lengths) - 1
+        suffix = cum[ends][owner] - cum + gaps if len(gaps) else gaps
+        return request[owner] - suffix
 
     def _draw_within(self, rng: np.random.Generator, per_cluster: int, n: int) -> np.ndarray:
         """Each item's index within its cluster: uniform, or with probability ``hot_prob`` one of
@@ -155,3 +219,7 @@ class SyntheticSource:
         pick = rng.integers(0, prefs.shape[1], len(owner))
         anywhere = rng.integers(0, self.cfg.num_clusters, len(owner))
         return np.where(from_pref, prefs[owner, pick], anywhere)
+
+
+def _sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))

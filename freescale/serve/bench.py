@@ -5,7 +5,8 @@ batch size the run's held-out samples (regenerated from the export's ``config.ya
 into batches of that size and each batch is one request: after a warm-up, every request's
 latency is timed (p50, p99) and queries/s counts samples (a query is one sample and its
 candidates) over the time spent in requests. The exported model's held-out AUC and NE over the
-same samples are set against the trained fp32 model's, which the export recorded.
+same samples, for the first label (``label_names(...)[0]``), are set against the trained fp32
+model's, which the export recorded.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def load_export(folder: str):
 
 def requests(batches: list, size: int) -> list[tuple]:
     """The held-out samples (from ``batches``) re-cut into requests of ``size`` samples:
-    (uih ids, uih lengths, candidate ids, candidate counts, user ids, labels)."""
+    (uih ids, uih lengths, candidate ids, candidate counts, user ids, labels [candidates, K])."""
     def flat(name):
         return [getattr(b, name) for b in batches]
     uih_len = torch.cat(flat("uih_lengths"))
@@ -74,7 +75,9 @@ def bench(folder: str, batch_sizes: list[int], threads: int | None = None, log=p
     for uih, uih_len, cand, counts, users, y in requests(batches, max(batch_sizes)):
         logits.append(model.predict(uih, uih_len, cand, counts, users))
         labels.append(y)
-    exported = heldout_metrics(torch.cat(labels).numpy(), torch.cat(logits).numpy(), samples)
+    labels, logits = torch.cat(labels), torch.cat(logits)
+    # The first label, against the first head's logits whether the model has one head or K.
+    exported = heldout_metrics(labels[:, 0].numpy(), logits.reshape(len(labels), -1)[:, 0].numpy(), samples)
     trained = manifest["heldout"]
     accuracy = {"exported": exported, "trained_fp32": {k: trained[k] for k in ("samples", "candidates", "auc", "ne")},
                 "auc_diff": round(exported["auc"] - trained["auc"], 6),

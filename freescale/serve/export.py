@@ -129,7 +129,7 @@ def held_out(cfg: ExperimentConfig) -> list:
     """The run's held-out batches (its first ``data.eval_samples`` held-out samples, one rank)."""
     from freescale.data.loader import build_sources, eval_batches
 
-    _, source = build_sources(cfg.data, cfg.run.seed)
+    _, source = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
     return eval_batches(source, num_samples=cfg.data.eval_samples, batch_size=cfg.data.batch_size, rank=0,
                         world_size=1, user_hash_size=cfg.model.user_hash_size)
 

@@ -156,7 +156,7 @@ class LengthSampler:
     def __init__(self, cfg: ExperimentConfig, seed: int = 0) -> None:
         from freescale.data.loader import build_sources
 
-        source, _ = build_sources(cfg.data, cfg.run.seed)
+        source, _ = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
         n = source.num_samples or LENGTH_POOL * 16
         rng = np.random.default_rng(seed)
         positions = rng.choice(n, size=min(n, LENGTH_POOL), replace=False)

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.slow
 B = 24
 
 
-def source():
-    cfg = SyntheticDataConfig(median_uih_len=16, tail_prob=0.1, tail_min_len=200, tail_alpha=1.0)
+def source(num_labels=1):
+    cfg = SyntheticDataConfig(median_uih_len=16, tail_prob=0.1, tail_min_len=200, tail_alpha=1.0, num_labels=num_labels)
     return SyntheticSource(cfg, seed=7, split="train", min_uih_len=1, max_uih_len=3000, num_candidates=3)
 
 
@@ -29,7 +29,7 @@ def assert_samples_equal(a, b):
 
 
 def _check_rebalance(rank, world, partition):
-    src = source()
+    src = source(num_labels=2)  # times and [candidates, 2] labels travel with the ids
     balancer = Balancer(partition, CostModel(), TorchDistTransport(), user_hash_size=1000,
                         normalize_loss=partition == "vbs")
     for k in range(3):
@@ -66,6 +66,8 @@ def _check_rebalance(rank, world, partition):
         np.testing.assert_array_equal(batch.seq_features.values().numpy(),
                                       np.concatenate([expected.uih_values, expected.cand_values]))
         np.testing.assert_array_equal(batch.labels.numpy(), expected.labels)
+        np.testing.assert_array_equal(batch.uih_timestamps.numpy(), expected.uih_timestamps)
+        np.testing.assert_array_equal(batch.cand_timestamps.numpy(), expected.cand_timestamps)
     # Every sample of the global batch landed on exactly one rank.
     ids = torch.from_numpy(got.sample_ids)
     counts = torch.tensor([len(ids)])

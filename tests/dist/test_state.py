@@ -23,7 +23,7 @@ class Replica:
     """What the trainer builds on one rank, trained by hand one batch at a time."""
 
     def __init__(self, cfg, topo: Topology, seed: int) -> None:
-        source, _ = build_sources(cfg.data, cfg.run.seed)
+        source, _ = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
         torch.manual_seed(seed)
         model = SeqRecModel(cfg.model, cfg.embedding, num_items=source.num_items, max_uih_len=cfg.data.max_uih_len,
                             device=torch.device("meta"))

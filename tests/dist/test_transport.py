@@ -238,7 +238,7 @@ def test_training_through_host_staged_matches_torch_dist(tmp_path):
     assert sorted(losses["host_staged"]) == [1, 2, 3, 4, 5]
     assert losses["host_staged"] == losses["torch_dist"]
     cfg = load_config(QUICKSTART, args)
-    source, _ = build_sources(cfg.data, cfg.run.seed)
+    source, _ = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
     batch = cfg.data.batch_size
     expected = {k: source.samples_at(np.arange(2 * batch * k, 2 * batch * (k + 1))).sample_ids.tolist() for k in range(5)}
     for kind, records in ledgers.items():

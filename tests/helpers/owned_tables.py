@@ -25,9 +25,11 @@ def _samples(rng, pool, n, first_id, uih_len=(0, 6), users=np.arange(USERS)):
         user_ids=rng.choice(users, n).astype(np.int64),
         uih_lengths=lengths.astype(np.int64),
         uih_values=rng.choice(pool, int(lengths.sum())).astype(np.int64),
+        uih_timestamps=np.arange(int(lengths.sum()), dtype=np.int64),
         cand_counts=np.full(n, 2, dtype=np.int64),
         cand_values=rng.choice(pool, 2 * n).astype(np.int64),
-        labels=(rng.random(2 * n) < 0.5).astype(np.float32),
+        cand_timestamps=np.full(2 * n, int(lengths.sum()), dtype=np.int64),
+        labels=(rng.random((2 * n, 1)) < 0.5).astype(np.float32),
     )
 
 

@@ -80,7 +80,7 @@ def one_rank():
 
 def test_the_installed_torchrec_keeps_the_attributes_where_compat_reads_them(one_rank):
     cfg = load_config(QUICKSTART, FAST)
-    source, _ = build_sources(cfg.data, cfg.run.seed)
+    source, _ = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
     topology = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1)
     training = build_training(cfg, num_items=source.num_items, topology=topology, device=torch.device("cpu"))
     kernels = compat.sharded_kernels(training.model)

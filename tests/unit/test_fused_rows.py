@@ -62,7 +62,7 @@ def test_rows_are_split_by_table_through_the_feature_map():
 
 def test_torchrec_tables_report_the_rows_each_lookup_reads():
     cfg = load_config(QUICKSTART, FAST)
-    source, _ = build_sources(cfg.data, cfg.run.seed)
+    source, _ = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
     model = SeqRecModel(cfg.model, cfg.embedding, num_items=source.num_items, max_uih_len=cfg.data.max_uih_len,
                         device=torch.device("meta"))
     model = shard_model(model, cfg.embedding, Topology(rank=0, world_size=1, local_rank=0, local_world_size=1),

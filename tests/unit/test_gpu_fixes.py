@@ -182,8 +182,9 @@ def test_a_lookup_of_no_ids_launches_no_kernel():
 def _batch():
     n = 3
     samples = Samples(sample_ids=np.arange(n), user_ids=np.arange(n), uih_lengths=np.array([2, 0, 1]),
-                      uih_values=np.array([5, 6, 7]), cand_counts=np.array([1, 2, 1]), cand_values=np.array([1, 2, 3, 4]),
-                      labels=np.array([1, 0, 1, 0], dtype=np.float32))
+                      uih_values=np.array([5, 6, 7]), uih_timestamps=np.array([100, 160, 90]),
+                      cand_counts=np.array([1, 2, 1]), cand_values=np.array([1, 2, 3, 4]),
+                      cand_timestamps=np.array([200, 300, 300, 400]), labels=np.array([[1], [0], [1], [0]], dtype=np.float32))
     return Batch.from_samples(samples, batch_index=4, user_hash_size=10)
 
 

@@ -36,6 +36,7 @@ def test_batch_tensors_match_samples():
     np.testing.assert_array_equal(kjt[UIH_FEATURE].lengths().numpy(), s.uih_lengths)
     np.testing.assert_array_equal(kjt[CANDIDATE_FEATURE].values().numpy(), s.cand_values)
     np.testing.assert_array_equal(b.labels.numpy(), s.labels)
+    assert b.labels.shape == (len(s.cand_values), 1)
     assert isinstance(b.to("cpu"), Batch)
 
 

@@ -95,8 +95,10 @@ def test_an_export_serves_a_request_of_mixed_lengths_as_the_training_forward_doe
     lengths = np.array([60, 0, 3, 5, 2, 64, 1, 0, 7, 30, 4, 2])
     counts = g.integers(1, 5, len(lengths))
     samples = Samples(sample_ids=np.arange(len(lengths)), user_ids=g.integers(0, 1000, len(lengths)),
-                      uih_lengths=lengths, uih_values=g.integers(0, 40, int(lengths.sum())), cand_counts=counts,
-                      cand_values=g.integers(0, 40, int(counts.sum())), labels=np.zeros(int(counts.sum()), np.float32))
+                      uih_lengths=lengths, uih_values=g.integers(0, 40, int(lengths.sum())),
+                      uih_timestamps=np.zeros(int(lengths.sum()), np.int64), cand_counts=counts,
+                      cand_values=g.integers(0, 40, int(counts.sum())), cand_timestamps=np.zeros(int(counts.sum()), np.int64),
+                      labels=np.zeros((int(counts.sum()), 1), np.float32))
     batch = Batch.from_samples(samples, 0, 50)
     with torch.no_grad():
         _, out = model(batch)

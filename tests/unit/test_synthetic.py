@@ -114,3 +114,82 @@ def test_hot_items_set_the_share_of_rows_consecutive_batches_have_in_common():
     assert within.max() < 256 // 16  # every item is one of its cluster's hot ones
     # The knob off leaves the stream as it was.
     assert_same(source(hot_items=256).samples_at(np.arange(300)), source().samples_at(np.arange(300)))
+
+
+def test_times_run_forward_through_the_stream_and_back_through_each_history():
+    from freescale.data.synthetic import REQUEST_GAP, START_TIME
+
+    pos = np.arange(BLOCK - 500, BLOCK + 500)  # spans two blocks
+    s = source(median_uih_len=32.0).samples_at(pos)
+    request = START_TIME + REQUEST_GAP * pos
+    # Candidates are shown at the request time, which increases through the stream.
+    np.testing.assert_array_equal(s.cand_timestamps, np.repeat(request, s.cand_counts))
+    owner = np.repeat(np.arange(len(s)), s.uih_lengths)
+    assert s.uih_timestamps.dtype == np.int64 and len(s.uih_timestamps) == s.uih_lengths.sum()
+    # Every event is before its request, and a history's times strictly decrease going back.
+    assert (s.uih_timestamps < request[owner]).all()
+    same = owner[1:] == owner[:-1]
+    assert (np.diff(s.uih_timestamps)[same] > 0).all()
+    # Heavy-tailed gaps, from minutes to weeks; histories reach back months, not decades.
+    ends = np.cumsum(s.uih_lengths)[s.uih_lengths > 0] - 1
+    gaps = np.concatenate([np.diff(s.uih_timestamps)[same], request[owner[ends]] - s.uih_timestamps[ends]])
+    p = np.percentile(gaps, [5, 50, 95])
+    assert 1 <= gaps.min() and p[0] < 3600 and 3600 < p[1] < 86400 and p[2] > 2 * 86400 and gaps.max() > 14 * 86400
+    assert s.uih_timestamps.min() > START_TIME - 5 * 365 * 86400
+    # A pure function of the position, like the rest of the sample.
+    assert_same(source(median_uih_len=32.0).samples_at(pos[::-1]).select(np.arange(len(pos))[::-1]), s)
+
+
+def test_second_label_is_liked_after_a_click_and_learnable():
+    src = source(num_labels=2)
+    s = src.samples_at(np.arange(2 * BLOCK))
+    assert s.labels.shape == (s.cand_counts.sum(), 2) and s.labels.dtype == np.float32
+    click, liked = s.labels[:, 0], s.labels[:, 1]
+    # The click column is the one-label stream's, untouched by the second draw.
+    np.testing.assert_array_equal(click, source().samples_at(np.arange(2 * BLOCK)).labels[:, 0])
+    assert (liked <= click).all() and 0.2 < liked.sum() / click.sum() < 0.95
+    owner = np.repeat(np.arange(len(s)), s.cand_counts)
+    preferred = (src.preferred_clusters(s.user_ids)[owner] == (s.cand_values % src.cfg.num_clusters)[:, None]).any(axis=1)
+    quality = src.item_quality(s.cand_values)
+    clicked = click == 1
+    # Among clicks, liking follows the preference and the item's quality.
+    assert liked[clicked & preferred].mean() > liked[clicked & ~preferred].mean() + 0.2
+    good = quality > np.median(quality)
+    assert liked[clicked & good].mean() > liked[clicked & ~good].mean() + 0.1
+
+
+def retrieval(split="train", negatives=5, seed=3):
+    return SyntheticSource(SyntheticDataConfig(), seed=seed, split=split, min_uih_len=1, max_uih_len=4096,
+                           num_candidates=3, task="retrieval", num_negatives=negatives)
+
+
+def test_retrieval_candidates_are_the_next_item_then_uniform_negatives():
+    from freescale.data.synthetic import START_TIME
+
+    pos = np.arange(3000)
+    src = retrieval()
+    s = src.samples_at(pos)
+    ranking = source().samples_at(pos)
+    # The same histories as the ranking stream; candidates = next item + 5 negatives, at the request.
+    for name in ("sample_ids", "user_ids", "uih_lengths", "uih_values", "uih_timestamps"):
+        np.testing.assert_array_equal(getattr(s, name), getattr(ranking, name), err_msg=name)
+    assert (s.cand_counts == 6).all()
+    np.testing.assert_array_equal(s.cand_timestamps, np.repeat(START_TIME + pos, 6))
+    np.testing.assert_array_equal(s.labels, np.tile([[1.0], [0], [0], [0], [0], [0]], (len(pos), 1)))
+    cands = s.cand_values.reshape(len(pos), 6)
+    # The next item is drawn like a history event: mostly from the user's preferred clusters...
+    prefs = src.preferred_clusters(s.user_ids)
+    in_pref = (prefs == (cands[:, :1] % src.cfg.num_clusters)).any(axis=1)
+    assert in_pref.mean() > 0.75
+    # ...the negatives uniformly over the whole table.
+    negatives = cands[:, 1:].reshape(-1)
+    assert negatives.min() >= 0 and negatives.max() < src.num_items
+    neg_pref = (np.repeat(prefs, 5, axis=0) == (negatives % src.cfg.num_clusters)[:, None]).any(axis=1)
+    assert abs(neg_pref.mean() - 2 / 16) < 0.03  # about clusters_per_user / num_clusters (a user's two may coincide)
+    assert np.unique(negatives).size > 0.6 * src.num_items
+    # Deterministic per sample, different across samples and seeds; eval from the eval stream.
+    np.testing.assert_array_equal(retrieval().samples_at(pos[::-1]).cand_values.reshape(-1, 6)[::-1], cands)
+    assert (cands[1:, 1:] != cands[:-1, 1:]).any(axis=1).all()
+    assert not np.array_equal(retrieval(seed=4).samples_at(pos).cand_values, s.cand_values)
+    e = retrieval("eval").samples_at(pos)
+    assert e.sample_ids.min() >= EVAL_ID_OFFSET and not np.array_equal(e.cand_values, s.cand_values)
