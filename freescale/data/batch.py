@@ -27,7 +27,8 @@ from torchrec.streamable import Pipelineable
 from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.device import accelerated, to_device
 
-HOST_FIELDS = ("uih_lengths", "cand_counts", "sample_ids", "batch_index", "uih_timestamps", "cand_timestamps")
+HOST_FIELDS = ("uih_lengths", "cand_counts", "sample_ids", "batch_index", "uih_timestamps", "cand_timestamps",
+               "item_ids")
 """The fields that stay on the host when a batch moves to a device."""
 SPARSE_FIELDS = ("seq_features", "user_features")
 """The ids: the device's for TorchRec's tables; the pipelines over FreeScale's own tables route
@@ -109,15 +110,17 @@ class Batch(Pipelineable):
     """int64 seconds [sum(uih_lengths)], on the host."""
     cand_timestamps: torch.Tensor
     """int64 seconds [sum(cand_counts)], on the host."""
+    item_ids: torch.Tensor
+    """The item ids of ``seq_features`` (histories', then candidates'), kept on the host whatever
+    device the features go to: the same tensor, no copy (retrieval compares ids on the host)."""
 
     @staticmethod
     def from_samples(samples: Samples, batch_index: int, user_hash_size: int, loss_scale: float = 1.0) -> "Batch":
         uih_lengths = torch.from_numpy(samples.uih_lengths)
         cand_counts = torch.from_numpy(samples.cand_counts)
+        item_ids = torch.from_numpy(np.concatenate([samples.uih_values, samples.cand_values]))
         seq = KeyedJaggedTensor.from_lengths_sync(
-            keys=[UIH_FEATURE, CANDIDATE_FEATURE],
-            values=torch.from_numpy(np.concatenate([samples.uih_values, samples.cand_values])),
-            lengths=torch.cat([uih_lengths, cand_counts]),
+            keys=[UIH_FEATURE, CANDIDATE_FEATURE], values=item_ids, lengths=torch.cat([uih_lengths, cand_counts]),
         )
         user = KeyedJaggedTensor.from_lengths_sync(
             keys=[USER_FEATURE],
@@ -135,6 +138,7 @@ class Batch(Pipelineable):
             loss_scale=torch.tensor(loss_scale, dtype=torch.float32),
             uih_timestamps=torch.from_numpy(samples.uih_timestamps),
             cand_timestamps=torch.from_numpy(samples.cand_timestamps),
+            item_ids=item_ids,
         )
 
     def __len__(self) -> int:

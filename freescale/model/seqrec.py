@@ -201,5 +201,5 @@ def task_settings(cfg: ExperimentConfig) -> dict:
     from freescale.data.features import label_names
 
     candidates = 1 + cfg.task.num_negatives if cfg.task.kind == "retrieval" else cfg.data.num_candidates
-    return dict(max_uih_len=cfg.data.max_uih_len, task_cfg=cfg.task, num_labels=len(label_names(cfg.data)),
+    return dict(max_uih_len=cfg.data.max_uih_len, task_cfg=cfg.task, num_labels=len(label_names(cfg.data, cfg.task.kind)),
                 max_candidates=candidates)

@@ -106,7 +106,7 @@ def expected_samples(cfg, batches, ranks: int) -> dict[int, list[int]]:
     """The sample ids of each global batch in ``batches`` (``ranks`` x ``data.batch_size`` samples each)."""
     from freescale.data.loader import BatchLoader, build_sources
 
-    source, _ = build_sources(cfg.data, cfg.run.seed)
+    source, _ = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
     loader = BatchLoader(source, batch_size=cfg.data.batch_size, rank=0, world_size=ranks, user_hash_size=1)
     return {int(k): source.samples_at(loader.global_positions(int(k))).sample_ids.tolist() for k in batches}
 

@@ -130,7 +130,7 @@ class Inputs:
 
 def read_inputs(cfg: ExperimentConfig) -> Inputs:
     """The data sources, the checkpoint to resume and the cost model; raises on bad input."""
-    train_source, eval_source = build_sources(cfg.data, cfg.run.seed)
+    train_source, eval_source = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
     resume_from = resolve_checkpoint(cfg.checkpoint.resume) if cfg.checkpoint.resume else ""
     return Inputs(train_source, eval_source, resume_from, load_cost_model(cfg.balance.cost_model))
 
@@ -369,7 +369,7 @@ def _evaluate(pipeline: TrainPipeline, held_out: list, log: logging.Logger, step
             log.info(retrieval_line(result, cfg.task.eval_ks), extra={"step": step})
         return result
     metrics = HeldOutMetrics(group, batch_size=max((len(b.labels) for b in held_out), default=1),
-                             labels=label_names(cfg.data))
+                             labels=label_names(cfg.data, cfg.task.kind))
     with pipeline.evaluating() as model:
         for batch in held_out:
             _, out = model(batch)

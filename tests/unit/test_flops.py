@@ -37,8 +37,10 @@ def _inputs(cfg: ModelConfig, lengths: list[int], counts: list[int], requires_gr
     L, C = torch.tensor(lengths), torch.tensor(counts)
     rows = lambda n: torch.randn(n, cfg.embedding_dim, generator=g).requires_grad_(requires_grad)  # noqa: E731
     n = len(lengths)
-    return (rows(int(L.sum())), rows(int(C.sum())), rows(n) if cfg.user_features else None, L, C,
-            torch.rand(int(C.sum()), generator=g), torch.arange(n), torch.tensor(0), torch.tensor(1.0))
+    ids, stamps = torch.zeros(int(L.sum() + C.sum()), dtype=torch.long), torch.zeros(int(L.sum() + C.sum()), dtype=torch.long)
+    return (rows(int(L.sum())), rows(int(C.sum())), rows(n) if cfg.user_features else None, ids, L, C,
+            stamps[:int(L.sum())], stamps[int(L.sum()):], torch.rand(int(C.sum()), 1, generator=g), torch.arange(n),
+            torch.tensor(0), torch.tensor(1.0))
 
 
 def _counted(task: SeqRecTask, inputs, backward: bool = False) -> int:

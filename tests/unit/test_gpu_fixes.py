@@ -259,7 +259,8 @@ from freescale.model.seqrec import SeqRecTask
 from freescale.transport.registry import build_transport
 task = SeqRecTask(ModelConfig(embedding_dim=8, num_layers=1, num_heads=2, mlp_dims=[4], user_features=True), 16)
 lengths, counts = torch.tensor([2, 0, 3]), torch.tensor([1, 2, 1])
-loss, _ = task(torch.randn(5, 8), torch.randn(4, 8), torch.randn(3, 8), lengths, counts, torch.ones(4),
+loss, _ = task(torch.randn(5, 8), torch.randn(4, 8), torch.randn(3, 8), torch.zeros(9, dtype=torch.long), lengths,
+               counts, torch.zeros(5, dtype=torch.long), torch.zeros(4, dtype=torch.long), torch.ones(4, 1),
                torch.arange(3), torch.tensor(0), torch.tensor(1.0))
 loss.backward()
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1, timeout=datetime.timedelta(seconds=30))

@@ -31,9 +31,11 @@ def _batch(uih_lengths, cand_counts, dim=16, seed=1):
 
 def _training_logits(task, uih, uih_lengths, cand, cand_counts, user):
     n = int(cand_counts.sum())
-    _, out = task(uih, cand, user if task.cfg.user_features else None, uih_lengths, cand_counts,
-                  torch.zeros(n), torch.arange(len(uih_lengths)), torch.tensor(0), torch.tensor(1.0))
-    return out.logits
+    nu = int(uih_lengths.sum())
+    _, out = task(uih, cand, user if task.cfg.user_features else None, torch.zeros(nu + n, dtype=torch.long),
+                  uih_lengths, cand_counts, torch.zeros(nu, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                  torch.zeros(n, 1), torch.arange(len(uih_lengths)), torch.tensor(0), torch.tensor(1.0))
+    return out.logits[:, 0]
 
 
 def _serving_logits(dense, uih, uih_lengths, cand, cand_counts, user):
