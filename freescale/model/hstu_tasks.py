@@ -72,7 +72,7 @@ class _HSTUTask(nn.Module):
         self.positions = nn.Embedding(max_len + 1, dim)
         nn.init.normal_(self.positions.weight, std=0.02)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.encoder = HSTUEncoder(dim=dim, num_layers=cfg.num_layers, num_heads=heads,
+        self.encoder = HSTUEncoder(num_layers=cfg.num_layers, dim=dim, num_heads=heads,
                                    attention_dim=cfg.attention_dim or dim // heads,
                                    linear_dim=cfg.linear_dim or dim // heads, max_len=max_len,
                                    num_time_buckets=cfg.num_time_buckets, dropout=cfg.dropout)
@@ -85,9 +85,16 @@ class _HSTUTask(nn.Module):
         pos = to_device(positions.clamp(max=self.max_len), rows.device)
         return self.dropout(rows * math.sqrt(self.dim) + self.positions(pos))
 
-    def layout(self, lengths: torch.Tensor, targets: torch.Tensor, timestamps: torch.Tensor, device) -> HSTULayout:
-        return HSTULayout(lengths, targets, timestamps, max_len=self.max_len, max_padding=self.cfg.attention_padding,
-                          device=device)
+    def encode(self, x: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor,
+               timestamps: torch.Tensor) -> torch.Tensor:
+        """The encoder over packed tokens ``x`` of samples ``lengths`` long (host; samples without
+        a token, such as the item batches of retrieval's evaluation, hold none of ``x``)."""
+        some = lengths > 0
+        if not bool(some.any()):
+            return x
+        layout = HSTULayout(lengths[some], targets[some], timestamps, max_len=self.max_len,
+                            max_padding=self.cfg.attention_padding, device=x.device)
+        return self.encoder(x, layout)
 
 
 class HSTURankingTask(_HSTUTask):
@@ -96,7 +103,6 @@ class HSTURankingTask(_HSTUTask):
     def __init__(self, cfg: ModelConfig, max_len: int, num_labels: int = 1) -> None:
         super().__init__(cfg, max_len)
         width = (3 if cfg.user_features else 2) * self.dim
-        self.norm = nn.LayerNorm(self.dim)
         self.heads = nn.ModuleList(_mlp([width, *cfg.mlp_dims], 1) for _ in range(num_labels))
 
     def sequence(self, uih_lengths: torch.Tensor, cand_counts: torch.Tensor):
@@ -121,7 +127,7 @@ class HSTURankingTask(_HSTUTask):
         uih, cand = self.rows_in(uih), self.rows_in(cand)
         x = self.tokens(torch.cat([uih, cand])[to_device(order, device)], positions)
         stamps = torch.cat([uih_timestamps, cand_timestamps])[order]
-        out = self.norm(self.encoder(x, self.layout(lengths, cand_counts, stamps, device)))
+        out = self.encode(x, lengths, cand_counts, stamps)
         features = [out.index_select(0, to_device(cand_at, device)), cand]
         if user_rows is not None:  # each sample's user row once per candidate
             features.append(self.rows_in(user_rows).index_select(0, to_device(_owner(cand_counts), device)))
@@ -148,7 +154,6 @@ class HSTURetrievalTask(_HSTUTask):
     def __init__(self, cfg: ModelConfig, task: TaskConfig, max_len: int) -> None:
         super().__init__(cfg, max_len)
         self.task_cfg = task
-        self.norm = nn.LayerNorm(self.dim)
         self.unproject = nn.Linear(self.dim, cfg.embedding_dim) if self.project is not None else None
 
     def item_vectors(self, rows: torch.Tensor) -> torch.Tensor:
@@ -156,8 +161,8 @@ class HSTURetrievalTask(_HSTUTask):
         return F.normalize(rows, dim=-1)
 
     def queries_of(self, out: torch.Tensor) -> torch.Tensor:
-        """The user tower's last step: an encoded position, back to the rows' width, L2-normalized."""
-        out = self.norm(out)
+        """The user tower's last step: an encoded position (normalized by the encoder's last
+        LayerNorm), back to the rows' width, L2-normalized."""
         return F.normalize(self.unproject(out) if self.unproject is not None else out, dim=-1)
 
     def forward(self, uih, cand, user_rows, item_ids, uih_lengths, cand_counts, uih_timestamps, cand_timestamps,
@@ -167,7 +172,7 @@ class HSTURetrievalTask(_HSTUTask):
         within = _within(uih_lengths)
         owner = _owner(uih_lengths)
         x = self.tokens(self.rows_in(uih), uih_lengths[owner] - within)
-        out = self.encoder(x, self.layout(uih_lengths, torch.zeros_like(uih_lengths), uih_timestamps, device))
+        out = self.encode(x, uih_lengths, torch.zeros_like(uih_lengths), uih_timestamps)
         queries = self.queries_of(out)  # [T, D], one per history position
         items = self.item_vectors(torch.cat([uih, cand]))  # the positions' targets and the candidates
         n_uih = int(uih_lengths.sum())
@@ -210,8 +215,15 @@ class HSTURetrievalTask(_HSTUTask):
             real = slot[None, :] < negs[:, None]  # [B, width]
             at = torch.where(real, first[:, None] + 1 + slot[None, :], torch.zeros_like(slot)[None, :])
             neg_rows = items[to_device(at.reshape(-1), device)].view(len(negs), width, -1)
-            per_pos = torch.bmm(neg_rows.index_select(0, to_device(owner, device)),
-                                queries.unsqueeze(-1)).squeeze(-1)  # [T, width]
+            # Each sample's positions against its negatives: one batched product over the
+            # positions padded per sample ([B, Lmax, D] @ [B, D, width]), real positions kept.
+            lmax = int(uih_lengths.max())
+            spot = offsets_of(uih_lengths)[:-1][:, None] + torch.arange(lmax)[None, :]
+            held = torch.arange(lmax)[None, :] < uih_lengths[:, None]
+            padded = queries[to_device(torch.where(held, spot, torch.zeros_like(spot)).reshape(-1), device)]
+            per_sample = torch.bmm(padded.view(len(negs), lmax, -1), neg_rows.transpose(1, 2))  # [B, Lmax, width]
+            per_pos = per_sample.reshape(-1, width).index_select(0, to_device(held.reshape(-1).nonzero().squeeze(1),
+                                                                              device))
             columns.append(per_pos)
             masks.append(~real[owner] | (item_ids[at][owner] == target_ids[:, None]))
         if self.task_cfg.in_batch_negatives and len(first):
