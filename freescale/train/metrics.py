@@ -111,7 +111,7 @@ class HeldOutMetrics:
             return
         inputs = {"predictions": {t: torch.sigmoid(logits[:, i]) for i, t in enumerate(self.tasks)},
                   "labels": {t: labels[:, i] for i, t in enumerate(self.tasks)},
-                  "weights": {t: torch.ones_like(labels[:, i]) for t in self.tasks}}
+                  "weights": {t: torch.ones_like(labels[:, 0]) for t in self.tasks}}
         for metric in self.metrics.values():
             metric.update(**inputs)
         loss = F.binary_cross_entropy_with_logits(logits.double(), labels.double(), reduction="none").sum(0)

@@ -43,3 +43,28 @@ def _agree(rank, world):
 
 def test_torchrec_metrics_across_ranks_agree_with_the_reference():
     run_ranks(2, _agree)
+
+
+def _two_labels(rank, world):
+    from freescale.train.metrics import gauc
+
+    logits, labels = data(1200, seed=1)
+    second_logits, second = data(1200, seed=2)
+    users = np.random.default_rng(3).integers(0, 40, 1200)  # a user's candidates on both ranks
+    x = torch.from_numpy(np.stack([logits, second_logits], 1))
+    y = torch.from_numpy(np.stack([labels, second], 1))
+    mine = slice(0, 500) if rank == 0 else slice(500, None)
+    metrics = HeldOutMetrics(dist.group.WORLD, batch_size=128, labels=["click", "liked"])
+    metrics.update(x[mine], y[mine], torch.from_numpy(users[mine]))
+    got = metrics.compute()
+    for k, (name, lab, lo) in enumerate([("click", labels, logits), ("liked", second, second_logits)]):
+        assert got[f"eval/{name}/auc"] == pytest.approx(auc(lab, lo), abs=2e-6)
+        assert got[f"eval/{name}/ne"] == pytest.approx(normalized_entropy(lab, lo), abs=2e-6)
+        assert got[f"eval/{name}/loss"] == pytest.approx(log_loss(lab, lo), abs=2e-6)
+        assert got[f"eval/{name}/gauc"] == pytest.approx(gauc(users, lab, lo)[0], abs=1e-6)
+    assert got["eval/auc"] == got["eval/click/auc"] and got["eval/gauc"] == got["eval/click/gauc"]
+    assert got["eval/auc"] != got["eval/liked/auc"]
+
+
+def test_each_label_has_its_own_figures_and_gauc_spans_the_ranks():
+    run_ranks(2, _two_labels)
