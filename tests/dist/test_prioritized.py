@@ -14,7 +14,7 @@ from freescale.embedding.pipeline import build_owned_model
 from freescale.profile.timeline import NullTimeline
 from freescale.train.verify import snapshot
 from freescale.transport.base import HIGH, NORMAL
-from helpers.launch import FAST, QUICKSTART, check, freescale, metrics, torchrun
+from helpers.launch import FAST, QUICKSTART, REPO, check, freescale, metrics, torchrun
 from helpers.owned_tables import ITEMS, SMALL, batches_of, build
 from helpers.spawn import run_ranks
 
@@ -229,6 +229,17 @@ def test_verify_cli_is_bitwise_with_the_balancer_on(tmp_path):
     assert "bitwise identical" in proc.stdout and "NOT" not in proc.stdout
     table = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(table) == 20 and all(float(row[-1]) == 0.0 for row in table)
+
+
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_verify_cli_is_bitwise_with_hstu(task):
+    # HSTU's dropout draws from the same seeded generator in the same order in both pipelines.
+    proc = check(torchrun(2, "verify", "--config", str(REPO / "configs" / "hstu_ranking.yaml"), *FAST, "--steps=6",
+                          "--balance.enable=true", f"--task.kind={task}", "--task.num_negatives=16",
+                          "--data.synthetic.num_items=512", timeout=600))
+    assert "bitwise identical" in proc.stdout and "NOT" not in proc.stdout
+    table = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(table) == 6 and all(float(row[-1]) == 0.0 for row in table)
 
 
 def test_verify_cli_refuses_a_single_step():

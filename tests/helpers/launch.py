@@ -24,6 +24,20 @@ FAST = [
 ]
 
 
+MODEL_UNDER_TEST = os.environ.get("FREESCALE_TEST_MODEL", "")
+"""``hstu``: every run these helpers launch trains HSTU (``--model.kind=hstu``) instead of the
+configs' model, e.g. ``FREESCALE_TEST_MODEL=hstu scripts/stress_ft.sh 1`` for the replica layer."""
+COMMANDS_WITH_A_MODEL = {"train", "local", "verify", "calibrate"}
+
+
+def _model_args(args: tuple[str, ...]) -> tuple[str, ...]:
+    if MODEL_UNDER_TEST and args and args[0] in COMMANDS_WITH_A_MODEL:
+        if MODEL_UNDER_TEST != "hstu":
+            raise ValueError(f"FREESCALE_TEST_MODEL: expected hstu, got {MODEL_UNDER_TEST!r}")
+        return (*args, "--model.kind=hstu")
+    return args
+
+
 def _env() -> dict:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -33,13 +47,13 @@ def _env() -> dict:
 
 def freescale(*args: str, timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
     """``freescale ARGS`` in one process (``env``: variables added to the environment)."""
-    return subprocess.run([sys.executable, "-m", "freescale", *args], cwd=REPO, env={**_env(), **(env or {})},
+    return subprocess.run([sys.executable, "-m", "freescale", *_model_args(args)], cwd=REPO, env={**_env(), **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
 
 
 def start_freescale(*args: str) -> subprocess.Popen:
     """``freescale ARGS`` started in the background, its output discarded."""
-    return subprocess.Popen([sys.executable, "-m", "freescale", *args], cwd=REPO, env=_env(),
+    return subprocess.Popen([sys.executable, "-m", "freescale", *_model_args(args)], cwd=REPO, env=_env(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -47,7 +61,7 @@ def torchrun(nproc: int, *args: str, timeout: float = 300, cpus: set[int] | None
     """``torchrun --standalone --nproc_per_node=N -m freescale ARGS`` (``cpus``: the cores it and
     its ranks run on)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "freescale", *args]
+           "-m", "freescale", *_model_args(args)]
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout, preexec_fn=pin)
 
