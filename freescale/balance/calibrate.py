@@ -52,11 +52,12 @@ def calibrate(cfg: ExperimentConfig, *, repeats: int = 5, tokens_per_batch: int 
     num_items = cfg.data.synthetic.num_items if cfg.data.source == "synthetic" else _ratings_items(cfg)
     device = resolve_device(cfg.run.device, 0)
     streams = Streams(device)
-    model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items, **task_settings(cfg),
-                        device=device)
     rng = np.random.default_rng(cfg.run.seed)
     candidates_per_sample = 1 + cfg.task.num_negatives if cfg.task.kind == "retrieval" else cfg.data.num_candidates
     lengths, candidates = default_grid(cfg.data.max_uih_len, candidates_per_sample)
+    # (HSTU's ranking appends the candidates to the history: its sequences reach L + C.)
+    model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items,
+                        **{**task_settings(cfg), "max_candidates": max(candidates)}, device=device)
     num_labels = len(label_names(cfg.data, cfg.task.kind))
     rows = []
     total = len(lengths) * len(candidates)
@@ -87,12 +88,14 @@ def calibrate(cfg: ExperimentConfig, *, repeats: int = 5, tokens_per_batch: int 
     L, C, y = map(np.array, zip(*rows))
     info = {"grid": [[int(a), int(b), float(c)] for a, b, c in rows], "threads": torch.get_num_threads(),
             "device": device.type,
-            "model": {"embedding_dim": cfg.model.embedding_dim, "num_layers": cfg.model.num_layers,
-                      "num_heads": cfg.model.num_heads}}
+            "model": {"kind": cfg.model.kind, "task": cfg.task.kind, "embedding_dim": cfg.model.embedding_dim,
+                      "num_layers": cfg.model.num_layers, "num_heads": cfg.model.num_heads}}
     return fit_cost_model(L, C, y, info)
 
 
 def _ratings_items(cfg: ExperimentConfig) -> int:
+    from freescale.data.ml100k import ensure_ml100k
     from freescale.data.readers import read_ratings
 
-    return read_ratings(cfg.data.ratings.path).num_items
+    path = ensure_ml100k(cfg.data.ratings.cache) if cfg.data.source == "ml100k" else cfg.data.ratings.path
+    return read_ratings(path).num_items
