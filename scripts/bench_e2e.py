@@ -1,12 +1,14 @@
 """FreeScale against TorchRec end to end: the two shipped experiments on the same model and data.
 
-    .venv/bin/python scripts/bench_e2e.py [--data synthetic ml100k] [--layouts 2 4 2x2 2h]
+    .venv/bin/python scripts/bench_e2e.py [--data synthetic ml100k] [--models transformer hstu] [--layouts 2 4 2x2 2h]
         [--link-gbit 3] [--repeats 3] [--steps 40] [--warmup 8] [--set section.key=value ...] [--out PATH]
 
 ``configs/baseline_torchrec.yaml`` (contiguous slices, TorchRec's TrainPipelineSparseDist,
 torch_dist) against ``configs/freescale.yaml`` (the balancer, the prioritized pipeline,
 host_staged), on each data source (``synthetic``: the configs' heavy-tailed histories;
-``ml100k``: the data section of ``configs/ml100k.yaml``, MovieLens-100K) and each layout
+``ml100k``: the data section of ``configs/ml100k.yaml``, MovieLens-100K), each model
+(``transformer``: the configs' own; ``hstu``: the model section of ``configs/hstu_ranking.yaml``,
+HSTU ranking with the candidates appended to the history, in both experiments) and each layout
 (``2`` and ``4``: one torchrun job of that many CPU ranks; ``2x2``: ``freescale local`` with 2
 replica groups of 2 ranks, the replica layer on; ``2h``: 2 hosts of one rank each, on a core of
 their own, joined by a link shaped to ``--link-gbit`` Gbit/s by ``scripts/shaped_hosts.py``,
@@ -53,6 +55,7 @@ from shaped_hosts import ShapedHosts, available  # noqa: E402
 EXPERIMENTS = {"baseline": os.path.join(REPO, "configs", "baseline_torchrec.yaml"),
                "freescale": os.path.join(REPO, "configs", "freescale.yaml")}
 ML100K = os.path.join(REPO, "configs", "ml100k.yaml")
+HSTU = os.path.join(REPO, "configs", "hstu_ranking.yaml")
 MEASURES = ("samples_per_s", "bubble_fraction", "straggler_pct", "exposed_comm_ms", "step_ms", "mflop_per_sample",
             "mfu_pct", "auc", "ne")
 HIGHER_IS_BETTER = {"samples_per_s", "mfu_pct", "auc"}
@@ -81,6 +84,16 @@ def data_overrides(source: str) -> list[str]:
         with open(ML100K) as f:
             return _flatten(yaml.safe_load(f)["data"], "data")
     raise SystemExit(f"--data: unknown source '{source}' (expected synthetic or ml100k)")
+
+
+def model_overrides(model: str) -> list[str]:
+    """What each experiment's config is run with for ``model``."""
+    if model == "transformer":
+        return []
+    if model == "hstu":
+        with open(HSTU) as f:
+            return _flatten(yaml.safe_load(f)["model"], "model")
+    raise SystemExit(f"--models: unknown model '{model}' (expected transformer or hstu)")
 
 
 LINK_GBIT = 3.0
@@ -207,6 +220,7 @@ def print_table(source: str, layout: str, row: dict) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", nargs="+", default=["synthetic", "ml100k"])
+    parser.add_argument("--models", nargs="+", default=["transformer"], help="transformer, hstu")
     parser.add_argument("--layouts", nargs="+", default=["2", "4", "2x2"],
                         help="N: one job of N ranks; RxN: R replica groups of N ranks; Nh: N shaped hosts of one rank")
     parser.add_argument("--link-gbit", type=float, default=LINK_GBIT, help="the shaped hosts' link rate (Gbit/s)")
@@ -228,33 +242,34 @@ def main() -> None:
     result = {"experiments": {e: os.path.relpath(p, REPO) for e, p in EXPERIMENTS.items()}, "steps": args.steps,
               "warmup_steps": args.warmup, "repeats": args.repeats, "overrides": args.set, "rows": []}
     report_dir = os.path.splitext(args.out)[0] + "_report"
-    total = len(args.data) * len(args.layouts) * args.repeats * len(EXPERIMENTS)
+    models = {m: model_overrides(m) for m in args.models}
+    total = len(args.data) * len(models) * len(args.layouts) * args.repeats * len(EXPERIMENTS)
     done = 0
     progress = bar(total=total, desc="bench_e2e", unit="run")
     with tempfile.TemporaryDirectory() as tmp:
         first_pair = None
-        for source in args.data:
-            overrides = data_overrides(source)
+        for source, (model, model_args) in ((s, m) for s in args.data for m in models.items()):
+            overrides = [*data_overrides(source), *model_args]
             for layout in args.layouts:
                 runs = {e: [] for e in EXPERIMENTS}
                 for rep in range(args.repeats):
                     for e in EXPERIMENTS:
-                        run_dir = os.path.join(tmp, f"{source}-{layout}-{e}-{rep}")
+                        run_dir = os.path.join(tmp, f"{source}-{model}-{layout}-{e}-{rep}")
                         r = run_once(e, layout, run_dir, [*overrides, *common, f"--run.seed={rep}"], args.link_gbit)
                         runs[e].append(r)
                         done += 1
                         progress.update()
-                        say(progress, f"[{done}/{total}] {source} {layout:>4} rep {rep} {e:<9} {r['samples_per_s']:7.0f} samples/s"
+                        say(progress, f"[{done}/{total}] {source} {model} {layout:>4} rep {rep} {e:<9} {r['samples_per_s']:7.0f} samples/s"
                               f" | bubbles {r['bubble_fraction']:.3f} | straggler {r['straggler_pct']:5.1f}% | exposed "
                               f"comm {r['exposed_comm_ms']:5.1f} ms | MFU {r['mfu_pct']:.2f}% | auc {r['auc']:.4f} | ne {r['ne']:.4f} | "
                               f"{r['wall_s']:.0f} s")
                 if first_pair is None:
                     first_pair = (runs["baseline"][-1]["run_dir"], runs["freescale"][-1]["run_dir"], source, layout)
-                row = {"data": source, "layout": layout, **compare(runs), "runs": runs}
+                row = {"data": source, "model": model, "layout": layout, **compare(runs), "runs": runs}
                 if layout.endswith("h"):
                     row["link_gbit"] = args.link_gbit
                 result["rows"].append(row)
-                print_table(source, layout, row)
+                print_table(f"{source}, {model}", layout, row)
         if first_pair:
             shutil.rmtree(report_dir, ignore_errors=True)
             proc = subprocess.run([sys.executable, "-m", "freescale", "report", first_pair[0], first_pair[1], "--out",
