@@ -34,7 +34,7 @@ from freescale.balance.partition import PARTITIONS
 from freescale.data.batch import Batch, Samples
 from freescale.profile.timeline import phase
 
-_META = 4  # sample id, user id, UIH length, candidate count
+_META = 5  # sample id, user id, UIH length, candidate count, stream position
 
 
 class Balancer:
@@ -172,7 +172,7 @@ def _pack(samples: Samples, counts: np.ndarray) -> np.ndarray:
 
 
 def _encode(s: Samples) -> np.ndarray:
-    meta = np.stack([s.sample_ids, s.user_ids, s.uih_lengths, s.cand_counts], axis=1).reshape(-1)
+    meta = np.stack([s.sample_ids, s.user_ids, s.uih_lengths, s.cand_counts, s.stream_positions], axis=1).reshape(-1)
     labels = s.labels.astype(np.float64).reshape(-1).view(np.int64)
     return np.concatenate([meta.astype(np.int64), s.uih_values.astype(np.int64), s.uih_timestamps.astype(np.int64),
                            s.cand_values.astype(np.int64), s.cand_timestamps.astype(np.int64), labels])
@@ -190,7 +190,8 @@ def _unpack(buffer: np.ndarray, sizes: np.ndarray, num_labels: int) -> Samples:
     uih, uih_times, cand, cand_times, labels = (buffer[lo:hi].copy() for lo, hi in zip(bounds[:-1], bounds[1:]))
     return Samples(sample_ids=meta[:, 0].copy(), user_ids=meta[:, 1].copy(), uih_lengths=L.copy(), uih_values=uih,
                    uih_timestamps=uih_times, cand_counts=C.copy(), cand_values=cand, cand_timestamps=cand_times,
-                   labels=labels.view(np.float64).astype(np.float32).reshape(-1, num_labels))
+                   labels=labels.view(np.float64).astype(np.float32).reshape(-1, num_labels),
+                   stream_positions=meta[:, 4].copy())
 
 
 class NullBalancer:

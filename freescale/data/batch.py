@@ -28,7 +28,7 @@ from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.device import accelerated, to_device
 
 HOST_FIELDS = ("uih_lengths", "cand_counts", "sample_ids", "batch_index", "uih_timestamps", "cand_timestamps",
-               "item_ids")
+               "item_ids", "stream_positions")
 """The fields that stay on the host when a batch moves to a device."""
 SPARSE_FIELDS = ("seq_features", "user_features")
 """The ids: the device's for TorchRec's tables; the pipelines over FreeScale's own tables route
@@ -53,6 +53,14 @@ class Samples:
     cand_values: np.ndarray  # int64 [sum(cand_counts)]
     cand_timestamps: np.ndarray  # int64 [sum(cand_counts)], seconds
     labels: np.ndarray  # float32 [sum(cand_counts), K], K >= 1
+    stream_positions: np.ndarray | None = None
+    """int64 [n]: each sample's position in the training stream, counted across epochs (the loader
+    sets it; default: the sample ids). It is the same whichever rank or replica group trains the
+    sample, and differs from one epoch to the next: the key of the sample's dropout masks."""
+
+    def __post_init__(self) -> None:
+        if self.stream_positions is None:
+            self.stream_positions = np.asarray(self.sample_ids, dtype=np.int64).copy()
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -72,6 +80,7 @@ class Samples:
             cand_values=self.cand_values[cand],
             cand_timestamps=self.cand_timestamps[cand],
             labels=self.labels[cand],
+            stream_positions=self.stream_positions[index],
         )
 
     @staticmethod
@@ -113,6 +122,8 @@ class Batch(Pipelineable):
     item_ids: torch.Tensor
     """The item ids of ``seq_features`` (histories', then candidates'), kept on the host whatever
     device the features go to: the same tensor, no copy (retrieval compares ids on the host)."""
+    stream_positions: torch.Tensor
+    """int64 [n] on the host: ``Samples.stream_positions`` (the key of each sample's dropout)."""
 
     @staticmethod
     def from_samples(samples: Samples, batch_index: int, user_hash_size: int, loss_scale: float = 1.0) -> "Batch":
@@ -139,6 +150,7 @@ class Batch(Pipelineable):
             uih_timestamps=torch.from_numpy(samples.uih_timestamps),
             cand_timestamps=torch.from_numpy(samples.cand_timestamps),
             item_ids=item_ids,
+            stream_positions=torch.from_numpy(samples.stream_positions),
         )
 
     def __len__(self) -> int:

@@ -73,8 +73,12 @@ class BatchLoader:
         return pos if self.source.num_samples is None else pos % self.source.num_samples
 
     def local_samples(self, batch_index: int) -> Samples:
-        pos = self.global_positions(batch_index)
-        return self.source.samples_at(pos[self.rank * self.batch_size:(self.rank + 1) * self.batch_size])
+        mine = slice(self.rank * self.batch_size, (self.rank + 1) * self.batch_size)
+        samples = self.source.samples_at(self.global_positions(batch_index)[mine])
+        # Positions counted across epochs (a finite source's wrap left out): the dropout key.
+        samples.stream_positions = (batch_index * self.global_batch_size
+                                    + np.arange(self.global_batch_size, dtype=np.int64))[mine]
+        return samples
 
     def batch_at(self, position: int) -> int:
         """The global batch index of this shard's ``position``-th batch."""

@@ -66,6 +66,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from freescale.device import to_device
+from freescale.model.dropout import KeyedDropout
 
 LOG_BUCKET_BASE = 0.301
 """The reference's divisor of the natural log of a time difference: buckets about 1.35x wide."""
@@ -151,6 +152,9 @@ class HSTULayout:
         unpermute = torch.empty_like(perm)
         unpermute[perm] = torch.arange(perm.numel())
         self.unpermute = to_device(unpermute, device)
+        self.dropout_keys: torch.Tensor | None = None
+        """int64 [T] token keys of ``freescale.model.dropout`` on the device (set by the task);
+        None: the layers' dropout draws from torch's generator."""
         self._clamped: dict[int, list[torch.Tensor]] = {}
 
     @staticmethod
@@ -213,7 +217,7 @@ class HSTULayer(nn.Module):
     """One HSTU layer over packed ``[T, dim]`` tokens (see the module docstring)."""
 
     def __init__(self, dim: int, num_heads: int, attention_dim: int, linear_dim: int, max_len: int,
-                 num_time_buckets: int, dropout: float) -> None:
+                 num_time_buckets: int, dropout: float, site: int = 1) -> None:
         super().__init__()
         self.dim, self.num_heads, self.max_len = dim, num_heads, max_len
         self.attention_dim, self.linear_dim = attention_dim, linear_dim
@@ -223,7 +227,7 @@ class HSTULayer(nn.Module):
         nn.init.zeros_(self.f1.bias)
         self.bias = RelativeBias(max_len, num_time_buckets)
         self.norm_attn = nn.LayerNorm(num_heads * linear_dim, eps=1e-6)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = KeyedDropout(dropout, site)
         self.f2 = nn.Linear(num_heads * linear_dim, dim)
         nn.init.xavier_uniform_(self.f2.weight)
 
@@ -231,7 +235,7 @@ class HSTULayer(nn.Module):
         h, dv, dqk = self.num_heads, self.linear_dim, self.attention_dim
         u, v, q, k = torch.split(F.silu(self.f1(self.norm_in(x))), [h * dv, h * dv, h * dqk, h * dqk], dim=-1)
         attended = self.attend(q, k, v, layout)
-        return self.f2(self.dropout(self.norm_attn(attended) * u)) + x
+        return self.f2(self.dropout(self.norm_attn(attended) * u, layout.dropout_keys)) + x
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HSTULayout) -> torch.Tensor:
         """``SiLU(QK^T + rab) / N`` masked, times ``V``: one batched matmul pair per group."""
@@ -255,8 +259,9 @@ class HSTUEncoder(nn.Module):
     def __init__(self, num_layers: int, dim: int, num_heads: int, attention_dim: int, linear_dim: int, max_len: int,
                  num_time_buckets: int, dropout: float) -> None:
         super().__init__()
+        # Dropout sites 1, 2, ...: a layer's masks are its own (site 0 is the task's input dropout).
         self.layers = nn.ModuleList(HSTULayer(dim, num_heads, attention_dim, linear_dim, max_len, num_time_buckets,
-                                              dropout) for _ in range(num_layers))
+                                              dropout, site=1 + i) for i in range(num_layers))
         self.norm = nn.LayerNorm(dim, eps=1e-6)
 
     def forward(self, x: torch.Tensor, layout: HSTULayout) -> torch.Tensor:

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from freescale.device import to_device
+from freescale.model.dropout import KeyedDropout, token_keys
 from freescale.model.hstu import HSTUEncoder, HSTULayout
 from freescale.model.jagged_attention import offsets_of
 from freescale.model.output import StepOutput
@@ -59,9 +60,10 @@ def _mlp(widths: list[int], out: int) -> nn.Sequential:
 class _HSTUTask(nn.Module):
     """What both tasks share: rows to tokens (projection, scale, positions, dropout) and the encoder."""
 
-    def __init__(self, cfg: ModelConfig, max_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, max_len: int, seed: int = 0) -> None:
         super().__init__()
         dim = cfg.d_model or cfg.embedding_dim
+        self.seed = seed
         heads = cfg.num_heads
         self.cfg = cfg
         self.dim = dim
@@ -71,7 +73,7 @@ class _HSTUTask(nn.Module):
         # event (stable under truncation), clamped to the table.
         self.positions = nn.Embedding(max_len + 1, dim)
         nn.init.normal_(self.positions.weight, std=0.02)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = KeyedDropout(cfg.dropout, site=0)
         self.encoder = HSTUEncoder(num_layers=cfg.num_layers, dim=dim, num_heads=heads,
                                    attention_dim=cfg.attention_dim or dim // heads,
                                    linear_dim=cfg.linear_dim or dim // heads, max_len=max_len,
@@ -80,13 +82,20 @@ class _HSTUTask(nn.Module):
     def rows_in(self, rows: torch.Tensor) -> torch.Tensor:
         return self.project(rows) if self.project is not None else rows
 
-    def tokens(self, rows: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def keys(self, stream_positions: torch.Tensor | None, lengths: torch.Tensor, device) -> torch.Tensor | None:
+        """The packed tokens' dropout keys (``freescale.model.dropout``) on ``device``; None in
+        evaluation or without the samples' stream positions."""
+        if not self.training or stream_positions is None or self.cfg.dropout == 0.0:
+            return None
+        return to_device(token_keys(self.seed, stream_positions, lengths), device)
+
+    def tokens(self, rows: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor | None) -> torch.Tensor:
         """Input tokens: rows scaled by sqrt(width) (as HSTU's preprocessor does) plus positions."""
         pos = to_device(positions.clamp(max=self.max_len), rows.device)
-        return self.dropout(rows * math.sqrt(self.dim) + self.positions(pos))
+        return self.dropout(rows * math.sqrt(self.dim) + self.positions(pos), keys)
 
-    def encode(self, x: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor,
-               timestamps: torch.Tensor) -> torch.Tensor:
+    def encode(self, x: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor, timestamps: torch.Tensor,
+               keys: torch.Tensor | None) -> torch.Tensor:
         """The encoder over packed tokens ``x`` of samples ``lengths`` long (host; samples without
         a token, such as the item batches of retrieval's evaluation, hold none of ``x``)."""
         some = lengths > 0
@@ -94,14 +103,15 @@ class _HSTUTask(nn.Module):
             return x
         layout = HSTULayout(lengths[some], targets[some], timestamps, max_len=self.max_len,
                             max_padding=self.cfg.attention_padding, device=x.device)
+        layout.dropout_keys = keys
         return self.encoder(x, layout)
 
 
 class HSTURankingTask(_HSTUTask):
     """Candidates appended to the history, one head per label (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, max_len: int, num_labels: int = 1) -> None:
-        super().__init__(cfg, max_len)
+    def __init__(self, cfg: ModelConfig, max_len: int, num_labels: int = 1, seed: int = 0) -> None:
+        super().__init__(cfg, max_len, seed)
         width = (3 if cfg.user_features else 2) * self.dim
         self.heads = nn.ModuleList(_mlp([width, *cfg.mlp_dims], 1) for _ in range(num_labels))
 
@@ -121,13 +131,14 @@ class HSTURankingTask(_HSTUTask):
         return lengths, order, positions, cand_at
 
     def forward(self, uih, cand, user_rows, item_ids, uih_lengths, cand_counts, uih_timestamps, cand_timestamps,
-                labels, sample_ids, batch_index, loss_scale):
+                labels, sample_ids, batch_index, loss_scale, stream_positions=None):
         device = uih.device
         lengths, order, positions, cand_at = self.sequence(uih_lengths, cand_counts)
+        keys = self.keys(stream_positions, lengths, device)
         uih, cand = self.rows_in(uih), self.rows_in(cand)
-        x = self.tokens(torch.cat([uih, cand])[to_device(order, device)], positions)
+        x = self.tokens(torch.cat([uih, cand])[to_device(order, device)], positions, keys)
         stamps = torch.cat([uih_timestamps, cand_timestamps])[order]
-        out = self.encode(x, lengths, cand_counts, stamps)
+        out = self.encode(x, lengths, cand_counts, stamps, keys)
         features = [out.index_select(0, to_device(cand_at, device)), cand]
         if user_rows is not None:  # each sample's user row once per candidate
             features.append(self.rows_in(user_rows).index_select(0, to_device(_owner(cand_counts), device)))
@@ -151,8 +162,8 @@ class HSTURankingTask(_HSTUTask):
 class HSTURetrievalTask(_HSTUTask):
     """Next-item prediction with a sampled softmax (see the module docstring)."""
 
-    def __init__(self, cfg: ModelConfig, task: TaskConfig, max_len: int) -> None:
-        super().__init__(cfg, max_len)
+    def __init__(self, cfg: ModelConfig, task: TaskConfig, max_len: int, seed: int = 0) -> None:
+        super().__init__(cfg, max_len, seed)
         self.task_cfg = task
         self.unproject = nn.Linear(self.dim, cfg.embedding_dim) if self.project is not None else None
 
@@ -166,13 +177,14 @@ class HSTURetrievalTask(_HSTUTask):
         return F.normalize(self.unproject(out) if self.unproject is not None else out, dim=-1)
 
     def forward(self, uih, cand, user_rows, item_ids, uih_lengths, cand_counts, uih_timestamps, cand_timestamps,
-                labels, sample_ids, batch_index, loss_scale):
+                labels, sample_ids, batch_index, loss_scale, stream_positions=None):
         device = uih.device
         n = len(uih_lengths)
         within = _within(uih_lengths)
         owner = _owner(uih_lengths)
-        x = self.tokens(self.rows_in(uih), uih_lengths[owner] - within)
-        out = self.encode(x, uih_lengths, torch.zeros_like(uih_lengths), uih_timestamps)
+        keys = self.keys(stream_positions, uih_lengths, device)
+        x = self.tokens(self.rows_in(uih), uih_lengths[owner] - within, keys)
+        out = self.encode(x, uih_lengths, torch.zeros_like(uih_lengths), uih_timestamps, keys)
         queries = self.queries_of(out)  # [T, D], one per history position
         items = self.item_vectors(torch.cat([uih, cand]))  # the positions' targets and the candidates
         n_uih = int(uih_lengths.sum())

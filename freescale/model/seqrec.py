@@ -97,6 +97,7 @@ class SeqRecTask(nn.Module):
         sample_ids: torch.Tensor,
         batch_index: torch.Tensor,
         loss_scale: torch.Tensor,
+        stream_positions: torch.Tensor | None = None,
     ):
         """(loss, StepOutput) of the histories' rows ``uih`` [sum(uih_lengths), D], the candidates'
         ``cand`` [sum(cand_counts), D] and the users' ``user_rows`` [samples, D] (None without
@@ -139,7 +140,7 @@ class SeqRecModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, emb: EmbeddingSettings, *, num_items: int, max_uih_len: int,
                  device: torch.device, task_cfg: TaskConfig | None = None, num_labels: int = 1,
-                 max_candidates: int = 1) -> None:
+                 max_candidates: int = 1, seed: int = 0) -> None:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
         from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
@@ -160,7 +161,7 @@ class SeqRecModel(nn.Module):
             else None
         )
         self.task = build_task(cfg, max_uih_len=max_uih_len, task_cfg=task_cfg, num_labels=num_labels,
-                               max_candidates=max_candidates)
+                               max_candidates=max_candidates, seed=seed)
 
     def forward(self, batch: Batch):
         seq = self.item_ec(batch.seq_features)
@@ -169,7 +170,7 @@ class SeqRecModel(nn.Module):
 
 
 TASK_ARGUMENTS = ("item_ids", "uih_lengths", "cand_counts", "uih_timestamps", "cand_timestamps", "labels",
-                  "sample_ids", "batch_index", "loss_scale")
+                  "sample_ids", "batch_index", "loss_scale", "stream_positions")
 """The batch fields every task takes after the rows (histories', candidates', users')."""
 
 
@@ -178,7 +179,7 @@ def task_arguments(batch: Batch) -> tuple:
 
 
 def build_task(cfg: ModelConfig, *, max_uih_len: int, task_cfg: TaskConfig | None = None, num_labels: int = 1,
-               max_candidates: int = 1) -> nn.Module:
+               max_candidates: int = 1, seed: int = 0) -> nn.Module:
     """The dense task ``model.kind`` and ``task.kind`` name (ranking with the transformer or HSTU,
     retrieval with HSTU); ``max_candidates``: the most candidates a sample has (HSTU's ranking
     appends them to the history, so its maximum sequence is ``max_uih_len + max_candidates``)."""
@@ -191,8 +192,8 @@ def build_task(cfg: ModelConfig, *, max_uih_len: int, task_cfg: TaskConfig | Non
     from freescale.model.hstu_tasks import HSTURankingTask, HSTURetrievalTask
 
     if kind == "retrieval":
-        return HSTURetrievalTask(cfg, task_cfg or TaskConfig(kind="retrieval"), max_len=max_uih_len)
-    return HSTURankingTask(cfg, max_len=max_uih_len + max_candidates, num_labels=num_labels)
+        return HSTURetrievalTask(cfg, task_cfg or TaskConfig(kind="retrieval"), max_len=max_uih_len, seed=seed)
+    return HSTURankingTask(cfg, max_len=max_uih_len + max_candidates, num_labels=num_labels, seed=seed)
 
 
 def task_settings(cfg: ExperimentConfig) -> dict:
@@ -202,4 +203,4 @@ def task_settings(cfg: ExperimentConfig) -> dict:
 
     candidates = 1 + cfg.task.num_negatives if cfg.task.kind == "retrieval" else cfg.data.num_candidates
     return dict(max_uih_len=cfg.data.max_uih_len, task_cfg=cfg.task, num_labels=len(label_names(cfg.data, cfg.task.kind)),
-                max_candidates=candidates)
+                max_candidates=candidates, seed=cfg.run.seed)

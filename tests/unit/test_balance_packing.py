@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from freescale.balance.balancer import Balancer, _Exchange, _pack, _unpack
+from freescale.balance.balancer import _META, Balancer, _Exchange, _pack, _unpack
 from freescale.balance.cost import CostModel
 from freescale.balance.partition import PARTITIONS
 from freescale.config import SyntheticDataConfig
@@ -27,13 +27,14 @@ def assert_samples_equal(a, b):
 
 def test_pack_unpack_round_trips_times_and_2d_labels():
     s = source().samples_at(np.arange(10))
+    s.stream_positions = s.sample_ids + 12345  # a later epoch's positions: they travel too
     counts = np.array([4, 0, 6])
     buffer = _pack(s, counts)
     offset, bounds = 0, np.concatenate([[0], np.cumsum(counts)])
     for j in range(3):
         part = s.select(np.arange(bounds[j], bounds[j + 1]))
         sizes = np.stack([part.uih_lengths, part.cand_counts, np.full(len(part), 2)], axis=1)
-        words = int((4 + 2 * part.uih_lengths + 4 * part.cand_counts).sum())
+        words = int((_META + 2 * part.uih_lengths + 4 * part.cand_counts).sum())
         assert_samples_equal(_unpack(buffer[offset:offset + words], sizes, 2), part)
         offset += words
     assert offset == len(buffer)

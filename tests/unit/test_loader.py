@@ -75,3 +75,25 @@ def test_eval_batches_are_equal_across_ranks_and_disjoint():
     ids = [np.concatenate([b.sample_ids.numpy() for b in s]) for s in shares]
     assert all(len(i) == 16 for i in ids)
     assert len(np.unique(np.concatenate(ids))) == 48
+
+
+def test_stream_positions_count_across_epochs():
+    # A finite source of 10 samples, 2 ranks of 3: global batch 2 holds positions 12..17, which
+    # wrap to samples 2..7; the positions themselves go on counting (the dropout key).
+    from freescale.data.loader import BatchLoader
+
+    class Finite:
+        num_items, num_samples = 5, 10
+
+        def samples_at(self, positions):
+            from freescale.data.batch import Samples
+            n = len(positions)
+            return Samples(sample_ids=np.asarray(positions), user_ids=np.zeros(n, np.int64),
+                           uih_lengths=np.ones(n, np.int64), uih_values=np.zeros(n, np.int64),
+                           uih_timestamps=np.zeros(n, np.int64), cand_counts=np.ones(n, np.int64),
+                           cand_values=np.zeros(n, np.int64), cand_timestamps=np.zeros(n, np.int64),
+                           labels=np.zeros((n, 1), np.float32))
+
+    got = BatchLoader(Finite(), batch_size=3, rank=1, world_size=2, user_hash_size=10).local_samples(2)
+    assert got.sample_ids.tolist() == [5, 6, 7]
+    assert got.stream_positions.tolist() == [15, 16, 17]
