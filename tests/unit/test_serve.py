@@ -35,7 +35,7 @@ def _training_logits(task, uih, uih_lengths, cand, cand_counts, user):
     _, out = task(uih, cand, user if task.cfg.user_features else None, torch.zeros(nu + n, dtype=torch.long),
                   uih_lengths, cand_counts, torch.zeros(nu, dtype=torch.long), torch.zeros(n, dtype=torch.long),
                   torch.zeros(n, 1), torch.arange(len(uih_lengths)), torch.tensor(0), torch.tensor(1.0))
-    return out.logits[:, 0]
+    return out.logits
 
 
 def _serving_logits(dense, uih, uih_lengths, cand, cand_counts, user):
