@@ -18,15 +18,16 @@ COUNTS = [2, 1, 4, 3, 1, 2, 4, 2]
 
 def _cfg(user_features=True, d_model=0):
     return ModelConfig(kind="hstu", embedding_dim=16, d_model=d_model, num_layers=2, num_heads=2, mlp_dims=[8],
-                       user_features=user_features, attention_padding=1.25, num_time_buckets=16, dropout=0.1)
+                       user_features=user_features, attention_padding=1.25, num_time_buckets=64, dropout=0.1)
 
 
 def _inputs(uih_lengths, cand_counts, dim=16, seed=1):
     g = torch.Generator().manual_seed(seed)
     uih_lengths, cand_counts = torch.tensor(uih_lengths), torch.tensor(cand_counts)
     nu, nc = int(uih_lengths.sum()), int(cand_counts.sum())
-    # Increasing seconds per history with gaps from seconds to months (many time buckets).
-    gaps = (10 ** (torch.rand(nu, generator=g) * 7)).long()
+    # Increasing seconds per history, gaps from 1 s to 30 years: time buckets 0 to past the
+    # 64th (clamped), so every bucket's weight and the clamp take part.
+    gaps = (10 ** (torch.rand(nu, generator=g) * 9)).long()
     uih_ts = 1_600_000_000 + torch.cumsum(gaps, 0)
     cand_ts = int(uih_ts.max()) + torch.randint(0, 10**6, (nc,), generator=g)
     return dict(uih=torch.randn(nu, dim, generator=g), uih_lengths=uih_lengths, uih_timestamps=uih_ts,
@@ -51,9 +52,21 @@ def _padded_args(x, ranking=True):
     return args
 
 
+def _with_strong_bias(task):
+    """``task`` with its relative position and time weights drawn at std 1 (initialized at 0.02,
+    they move the logits by less than the tolerance, so a wrong mask, bucket or position would
+    go unseen; trained ones are larger)."""
+    with torch.no_grad():
+        for layer in task.encoder.layers:
+            layer.bias.position_weight.normal_(std=1.0)
+            layer.bias.time_weight.normal_(std=1.0)
+    return task
+
+
 def _ranking_task(user_features=True, d_model=0, num_labels=2):
     torch.manual_seed(0)
-    return HSTURankingTask(_cfg(user_features, d_model), max_len=MAX_UIH + 4, num_labels=num_labels).eval()
+    return _with_strong_bias(HSTURankingTask(_cfg(user_features, d_model), max_len=MAX_UIH + 4,
+                                             num_labels=num_labels)).eval()
 
 
 def _ranking_logits(dense, x):
@@ -88,7 +101,8 @@ def test_the_exported_hstu_ranking_program_takes_other_sizes(tmp_path):
 
 def _retrieval_task(d_model=0):
     torch.manual_seed(0)
-    return HSTURetrievalTask(_cfg(False, d_model), TaskConfig(kind="retrieval"), max_len=MAX_UIH).eval()
+    return _with_strong_bias(HSTURetrievalTask(_cfg(False, d_model), TaskConfig(kind="retrieval"),
+                                               max_len=MAX_UIH)).eval()
 
 
 @pytest.mark.parametrize("d_model", [0, 24])
@@ -120,7 +134,7 @@ def test_the_exported_user_tower_takes_other_sizes(tmp_path):
 # --- Whole exports (tables quantized, program, serve.py) of freshly initialized HSTU models ---
 
 HSTU_OVERRIDES = ["model.embedding_dim=16", "model.num_layers=2", "model.num_heads=2", "model.mlp_dims=[8]",
-                  "model.user_hash_size=50", "model.num_time_buckets=16", "data.max_uih_len=64",
+                  "model.user_hash_size=50", "model.num_time_buckets=64", "data.max_uih_len=64",
                   "data.synthetic.num_items=300", "data.eval_samples=256", "data.batch_size=64",
                   "data.synthetic.median_uih_len=12", "data.synthetic.tail_min_len=40"]
 
@@ -140,7 +154,7 @@ def _in_memory_export(tmp_path, overrides, quantize="fp32", name=None):
     tables = {"item_table": torch.randn(items, 16) * 0.3, "user_table": torch.randn(50, 16) * 0.3}
     settings = task_settings(cfg)
     settings.pop("max_uih_len")
-    task = build_task(cfg.model, max_uih_len=cfg.data.max_uih_len, **settings)
+    task = _with_strong_bias(build_task(cfg.model, max_uih_len=cfg.data.max_uih_len, **settings))
     trained = Trained(cfg, "(in memory)", 0, "", tables, task.state_dict())
     model = trained_model(trained)
     out = tmp_path / (name or quantize)
@@ -155,7 +169,7 @@ def _jagged_batch(lengths, counts, items=300, labels=2, seed=0):
 
     g = np.random.default_rng(seed)
     lengths, counts = np.array(lengths), np.array(counts)
-    gaps = (10 ** (g.random(int(lengths.sum())) * 7)).astype(np.int64)
+    gaps = (10 ** (g.random(int(lengths.sum())) * 9)).astype(np.int64)
     uih_ts = 1_600_000_000 + np.cumsum(gaps)
     samples = Samples(sample_ids=np.arange(len(lengths)), user_ids=g.integers(0, 1000, len(lengths)),
                       uih_lengths=lengths, uih_values=g.integers(0, items, int(lengths.sum())), uih_timestamps=uih_ts,
