@@ -281,9 +281,14 @@ def _export(args) -> None:
     except (ExportError, DataError) as e:
         _fail(str(e))
     held = manifest["heldout"]
+    if manifest["model"]["task"] == "retrieval":
+        from freescale.train.retrieval import retrieval_line
+
+        figures = retrieval_line(held, manifest["config"]["task"]["eval_ks"]).removeprefix("eval ")
+    else:
+        figures = f"AUC {held['auc']:.4f}, NE {held['ne']:.4f} over {held['samples']} samples"
     print(f"exported step {manifest['source']['step']} of {args.run_dir} ({manifest['quantize']}, "
-          f"{manifest['size_bytes'] / 2**20:.2f} MiB) to {args.out}; trained model's held-out AUC {held['auc']:.4f}, "
-          f"NE {held['ne']:.4f} over {held['samples']} samples")
+          f"{manifest['size_bytes'] / 2**20:.2f} MiB) to {args.out}; trained model's held-out {figures}")
 
 
 def _serve_bench(args) -> None:

@@ -38,7 +38,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_mask
 
 
 class ServingDense(nn.Module):
-    """``SeqRecTask``'s function over padded inputs: logits [B, C] from the rows of each sample's
+    """``SeqRecTask``'s function over padded inputs: logits [B, C, K] (one per label) from the rows of each sample's
     history ``uih`` [B, L, D] (``uih_lengths`` real), its candidates ``cand`` [B, C, D]
     (``cand_counts`` real) and its user row ``user`` [B, D] (zeros when the model has none)."""
 
@@ -69,6 +69,6 @@ class ServingDense(nn.Module):
         features = [cand, attended, cand * attended]
         if self.user_features:
             features.append(user[:, None, :].expand(-1, cand.shape[1], -1))
-        logits = t.head(torch.cat(features, dim=-1)).squeeze(-1)
-        real = torch.arange(cand.shape[1], device=cand.device)[None, :] < cand_counts[:, None]
+        logits = t.head(torch.cat(features, dim=-1))
+        real = torch.arange(cand.shape[1], device=cand.device)[None, :, None] < cand_counts[:, None, None]
         return torch.where(real, logits, torch.zeros_like(logits))

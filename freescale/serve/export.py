@@ -8,13 +8,18 @@ own row-wise blocks) into one tensor, with no process group. Then:
   as TorchRec's quantized ``EmbeddingCollection`` stores it (``quantize_state_dict``: fbgemm's
   ``FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf``, an fp16 scale and bias per row for int8 and
   int4), saved as plain tensors in ``tables.pt``;
-- the dense part is captured by ``torch.export`` (``ServingDense``: the training forward over
-  padded inputs) into ``dense.pt2``: a program, not FreeScale's code, that ``torch.export.load``
-  runs with dynamic batch, history and candidate sizes;
-- the trained model (FreeScale's training forward, fp32) is evaluated on the held-out set, and
-  ``manifest.json`` records the config, the tables (rows, width, quantization), the held-out
-  AUC / NE and the files' sizes; ``config.yaml`` is the run's config, ``serve.py`` the loader
-  (``freescale.serve.standalone``: torch, TorchRec and fbgemm only).
+- the dense part is captured by ``torch.export`` into ``dense.pt2``: a program, not FreeScale's
+  code, that ``torch.export.load`` runs with dynamic batch, history and candidate sizes. It is
+  the training forward over padded inputs: ``ServingDense`` (transformer ranking),
+  ``ServingHSTURanking`` (HSTU ranking) or ``ServingHSTUQuery`` (HSTU retrieval's user tower;
+  the item tower, every row of the quantized item table L2-normalized, is precomputed into
+  ``items.pt``);
+- the trained model (FreeScale's training forward, fp32) is evaluated on the held-out set (per
+  label AUC / NE, or retrieval's HR@K / NDCG@K / MRR by leave-one-out against the whole table,
+  ``freescale.train.retrieval`` in this one process), and ``manifest.json`` records the model
+  and task kinds, the label names, the config, the tables (rows, width, quantization), the
+  held-out figures and the files' sizes; ``config.yaml`` is the run's config, ``serve.py`` the
+  loader (``freescale.serve.standalone``: torch, TorchRec and fbgemm only).
 
 The folder is written next to ``--out`` and renamed into place once complete: an export that
 fails leaves nothing half-written.
@@ -32,10 +37,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from freescale.config import ConfigError, ExperimentConfig, dump_yaml, load_config, to_dict
 from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
+from freescale.data.features import label_names
 from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, SeqRecModel, SeqRecTask, task_settings
 from freescale.progress import bar
 from freescale.serve import standalone
@@ -134,22 +141,36 @@ def held_out(cfg: ExperimentConfig) -> list:
                         world_size=1, user_hash_size=cfg.model.user_hash_size)
 
 
-def heldout_metrics(labels: np.ndarray, logits: np.ndarray, samples: int) -> dict:
+def heldout_metrics(labels: np.ndarray, logits: np.ndarray, samples: int, names: list[str]) -> dict:
+    """AUC and NE of each label (``labels``, ``logits`` [candidates, K]; ``names`` the K labels'),
+    the first label's also at the top level."""
     from freescale.train.metrics import auc, normalized_entropy
 
-    return {"samples": samples, "candidates": int(len(labels)), "auc": round(auc(labels, logits), 6),
-            "ne": round(normalized_entropy(labels, logits), 6)}
+    labels, logits = labels.reshape(len(labels), -1), logits.reshape(len(logits), -1)
+    per_label = {name: {"auc": round(auc(labels[:, i], logits[:, i]), 6),
+                        "ne": round(normalized_entropy(labels[:, i], logits[:, i]), 6)} for i, name in enumerate(names)}
+    return {"samples": samples, "candidates": int(len(labels)), **per_label[names[0]], "labels": per_label}
 
+def evaluate_trained(model: SeqRecModel, batches: list, cfg: ExperimentConfig) -> dict:
+    """The trained model's held-out figures: per label AUC / NE (ranking), or HR@K, NDCG@K and MRR
+    of leave-one-out against the whole item table (retrieval, ``freescale.train.retrieval`` in
+    this one process)."""
 
-def evaluate_trained(model: SeqRecModel, batches: list) -> dict:
-    logits, labels = [], []
     with torch.no_grad():
+        if cfg.task.kind == "retrieval":
+            from freescale.train.retrieval import evaluate_retrieval
+
+            return evaluate_retrieval(model, batches, num_items=model.item_ec.embeddings[ITEM_TABLE].num_embeddings,
+                                      ks=cfg.task.eval_ks, exclude_history=cfg.task.exclude_history, group=None,
+                                      user_hash_size=cfg.model.user_hash_size)
+        logits, labels = [], []
         for batch in batches:
             _, out = model(batch)
             logits.append(out.logits)
             labels.append(out.labels)
     samples = sum(int(b.uih_lengths.numel()) for b in batches)
-    return heldout_metrics(torch.cat(labels).numpy(), torch.cat(logits).numpy(), samples)
+    return heldout_metrics(torch.cat(labels).numpy(), torch.cat(logits).numpy(), samples,
+                           label_names(cfg.data, cfg.task.kind))
 
 
 def quantized_tables(trained: Trained, quantize: str) -> tuple[list[dict], dict]:
@@ -176,19 +197,49 @@ def quantized_tables(trained: Trained, quantize: str) -> tuple[list[dict], dict]
                    for n, (w, ss) in quantized.items()}
 
 
-def export_dense(task: SeqRecTask, path: str) -> None:
-    """``ServingDense`` over ``task``, captured by ``torch.export`` with dynamic sizes, saved to ``path``."""
+def serving_program(task: nn.Module) -> tuple[nn.Module, tuple, dict, str]:
+    """(the padded module, an example input, its dynamic shapes, what it takes and returns) of
+    ``task``'s serving form: ``ServingDense`` for the transformer, ``ServingHSTURanking`` and
+    ``ServingHSTUQuery`` (the user tower) for HSTU's tasks."""
     from torch.export import Dim
+
+    from freescale.model.hstu_tasks import HSTURankingTask, HSTURetrievalTask
+    from freescale.serve.hstu_dense import ServingHSTUQuery, ServingHSTURanking
 
     dim = task.cfg.embedding_dim
     gen = torch.Generator().manual_seed(0)
-    example = (torch.randn(3, 5, dim, generator=gen), torch.tensor([5, 0, 3]), torch.randn(3, 4, dim, generator=gen),
-               torch.tensor([4, 2, 1]), torch.randn(3, dim, generator=gen))
+    uih, uih_lengths = torch.randn(3, 5, dim, generator=gen), torch.tensor([5, 1, 3])
+    cand, cand_counts = torch.randn(3, 4, dim, generator=gen), torch.tensor([4, 2, 1])
+    user = torch.randn(3, dim, generator=gen)
+    uih_ts, cand_ts = torch.arange(15).view(3, 5) * 1000, torch.arange(12).view(3, 4) * 1000 + 20000
     batch, history, candidates = Dim("batch", min=1), Dim("history", min=2), Dim("candidates", min=2)
-    shapes = {"uih": {0: batch, 1: history}, "uih_lengths": {0: batch}, "cand": {0: batch, 1: candidates},
-              "cand_counts": {0: batch}, "user": {0: batch}}
-    program = torch.export.export(ServingDense(task).eval(), example, dynamic_shapes=shapes)
+    rows, seconds, counts = {0: batch, 1: history}, {0: batch, 1: history}, {0: batch}
+    cands, cand_seconds = {0: batch, 1: candidates}, {0: batch, 1: candidates}
+    pad = "B >= 1, L >= 2, C >= 2 (pad with anything: past a length nothing is read)"
+    if isinstance(task, HSTURetrievalTask):
+        return (ServingHSTUQuery(task), (uih, uih_lengths, uih_ts),
+                {"uih": rows, "uih_lengths": counts, "uih_timestamps": seconds},
+                f"uih [B, L, D], uih_lengths [B], uih_timestamps [B, L] (int64 seconds); {pad} -> queries [B, D] "
+                "(L2-normalized, zeros for an empty history)")
+    if isinstance(task, HSTURankingTask):
+        return (ServingHSTURanking(task), (uih, uih_lengths, uih_ts, cand, cand_counts, cand_ts, user),
+                {"uih": rows, "uih_lengths": counts, "uih_timestamps": seconds, "cand": cands, "cand_counts": counts,
+                 "cand_timestamps": cand_seconds, "user": counts},
+                f"uih [B, L, D], uih_lengths [B], uih_timestamps [B, L], cand [B, C, D], cand_counts [B], "
+                f"cand_timestamps [B, C] (int64 seconds), user [B, D]; {pad} -> logits [B, C, K]")
+    uih_lengths = torch.tensor([5, 0, 3])
+    return (ServingDense(task), (uih, uih_lengths, cand, cand_counts, user),
+            {"uih": rows, "uih_lengths": counts, "cand": cands, "cand_counts": counts, "user": counts},
+            f"uih [B, L, D], uih_lengths [B], cand [B, C, D], cand_counts [B], user [B, D]; {pad} -> logits [B, C, K]")
+
+
+def export_dense(task: nn.Module, path: str) -> str:
+    """``task``'s serving form, captured by ``torch.export`` with dynamic sizes, saved to ``path``;
+    returns what the program takes and returns."""
+    module, example, shapes, signature = serving_program(task)
+    program = torch.export.export(module.eval(), example, dynamic_shapes=shapes)
     torch.export.save(program, path)
+    return signature
 
 
 def export(run_dir: str, out: str, *, step: int | None = None, quantize: str = "int8") -> dict:
@@ -201,7 +252,7 @@ def export(run_dir: str, out: str, *, step: int | None = None, quantize: str = "
         phases.update()
         phases.set_postfix_str("evaluating the trained model")
         model = trained_model(trained)
-        metrics = evaluate_trained(model, held_out(trained.cfg))
+        metrics = evaluate_trained(model, held_out(trained.cfg), trained.cfg)
         phases.update()
         return write_export(trained, model.task, metrics, out, quantize, phases)
     finally:
@@ -213,6 +264,21 @@ def check_destination(out: str, quantize: str) -> None:
         raise ExportError(f"--quantize: expected one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
     if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
         raise ExportError(f"--out {out} exists and is not an empty folder (choose another, or remove it)")
+
+
+def item_vectors(task: nn.Module, specs: list[dict], weights: dict) -> torch.Tensor:
+    """The item tower over the whole item table as served: every row of the quantized table,
+    looked up (dequantized) by TorchRec's quantized module as ``serve.py`` does, through the
+    task's ``item_vectors``."""
+    from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
+
+    spec = next(s for s in specs if s["name"] == ITEM_TABLE)
+    collection = standalone.quantized_collection([spec], weights)
+    rows = spec["rows"]
+    ids = KeyedJaggedTensor.from_lengths_sync(keys=[UIH_FEATURE, CANDIDATE_FEATURE], values=torch.arange(rows),
+                                              lengths=torch.tensor([rows, 0], dtype=torch.int32))
+    with torch.no_grad():
+        return task.item_vectors(collection(ids)[UIH_FEATURE].values()).contiguous()
 
 
 def write_export(trained: Trained, task: SeqRecTask, metrics: dict, out: str, quantize: str, phases=None) -> dict:
@@ -230,15 +296,21 @@ def write_export(trained: Trained, task: SeqRecTask, metrics: dict, out: str, qu
         torch.save(weights, os.path.join(tmp, standalone.TABLES))
         phases.update()
         phases.set_postfix_str("exporting the dense part")
-        export_dense(task, os.path.join(tmp, standalone.DENSE))
+        signature = export_dense(task, os.path.join(tmp, standalone.DENSE))
+        files = [standalone.TABLES, standalone.DENSE]
+        if cfg.task.kind == "retrieval":
+            torch.save(item_vectors(task, specs, weights), os.path.join(tmp, standalone.ITEMS))
+            files.append(standalone.ITEMS)
         phases.update()
         shutil.copyfile(standalone.__file__, os.path.join(tmp, "serve.py"))
         with open(os.path.join(tmp, "config.yaml"), "w") as f:
             f.write(dump_yaml(cfg))
-        files = {name: os.path.getsize(os.path.join(tmp, name)) for name in (standalone.TABLES, standalone.DENSE)}
+        files = {name: os.path.getsize(os.path.join(tmp, name)) for name in files}
         manifest = {
             "format": FORMAT,
             "quantize": quantize,
+            "model": {"kind": cfg.model.kind, "task": cfg.task.kind},
+            "labels": label_names(cfg.data, cfg.task.kind),
             "source": {"run_dir": os.path.abspath(trained.run_dir), "step": trained.step, "checkpoint": trained.checkpoint,
                        "pipeline": cfg.train.pipeline},
             "tables": specs,
@@ -248,8 +320,9 @@ def write_export(trained: Trained, task: SeqRecTask, metrics: dict, out: str, qu
             "user_hash_size": cfg.model.user_hash_size,
             "max_uih_len": cfg.data.max_uih_len,
             "dense": {"file": standalone.DENSE, "format": "torch.export ExportedProgram (torch.export.load)",
-                      "inputs": "uih [B, L, D], uih_lengths [B], cand [B, C, D], cand_counts [B], user [B, D]; "
-                                "B >= 1, L >= 2, C >= 2 (pad with zeros)", "output": "logits [B, C]"},
+                      "signature": signature},
+            **({"items": {"file": standalone.ITEMS, "what": "every item's vector [rows, D]: the quantized item table's "
+                          "rows, dequantized, L2-normalized (the item tower)"}} if cfg.task.kind == "retrieval" else {}),
             "heldout": {**metrics, "of": "the trained model (fp32, FreeScale's training forward)"},
             "files": files,
             "size_bytes": sum(files.values()),
@@ -257,9 +330,7 @@ def write_export(trained: Trained, task: SeqRecTask, metrics: dict, out: str, qu
         }
         with open(os.path.join(tmp, standalone.MANIFEST), "w") as f:
             json.dump(manifest, f, indent=2)
-        if os.path.isdir(out):
-            os.rmdir(out)  # empty (checked above)
-        os.replace(tmp, out)
+        os.replace(tmp, out)  # atomic; replaces an empty folder ``out`` (checked above)
         phases.update()
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -15,6 +15,9 @@ samples go through (batches whose candidates are those ids and whose histories a
 every pipeline, TorchRec's tables or FreeScale's, looks them up its own way); the queries and
 the histories are gathered to every rank, each rank scores them against its share, and two
 all-reduces add up the target's score (from the rank that holds the target) and the counts.
+In one process without a process group (``freescale export``) the share is the whole table and
+nothing is reduced; ``freescale serve-bench`` ranks an export's queries and item vectors with the
+same ``target_ranks``, so the trained model's figures and the export's are computed alike.
 """
 
 from __future__ import annotations
@@ -71,53 +74,82 @@ def _share(vectors: list[torch.Tensor], lo: int, num_items: int, world_size: int
     return torch.cat(vectors)[:count].float().cpu()
 
 
+def held_out_users(batch: Batch) -> tuple[torch.Tensor, np.ndarray, list[np.ndarray]]:
+    """(which samples have a history [B] bool, their targets (first candidates), their histories'
+    item ids) of a held-out batch: the users leave-one-out ranks (one without a history has no
+    query and is left out)."""
+    first = offsets_of(batch.cand_counts)[:-1]
+    n_uih = int(batch.uih_lengths.sum())
+    cand_ids = batch.seq_features.values()[n_uih:]
+    uih_ids = batch.seq_features.values()[:n_uih].numpy()
+    has = batch.uih_lengths > 0
+    bounds = offsets_of(batch.uih_lengths).numpy()
+    histories = [uih_ids[a:b] for a, b, h in zip(bounds[:-1], bounds[1:], has.tolist()) if h]
+    return has, cand_ids[first][has].numpy(), histories
+
+
+def _no_reduce(tensor: torch.Tensor) -> None:
+    """One process holds the whole table: its partial sums are the totals."""
+
+
+def target_ranks(queries: torch.Tensor, share: torch.Tensor, lo: int, targets: np.ndarray,
+                 histories: list[np.ndarray], exclude_history: bool, all_reduce=_no_reduce) -> np.ndarray:
+    """0-based rank of each target among the whole table's items: how many score strictly above
+    it (``queries`` [Q, D] against the item vectors), the target itself and, with
+    ``exclude_history``, the user's history left out. ``share`` [n, D] holds the vectors of ids
+    ``[lo, lo + n)``; ``all_reduce`` sums a tensor over the processes that hold the other shares
+    (in place; a no-op when ``share`` is the whole table, as in ``freescale export``)."""
+    scores = queries @ share.T  # [queries, share]
+    n = share.shape[0]
+    owned = (targets >= lo) & (targets < lo + n)
+    target_score = torch.zeros(len(targets), dtype=torch.float32)
+    rows = torch.from_numpy(np.flatnonzero(owned))
+    target_score[rows] = scores[rows, torch.from_numpy(targets[owned] - lo)]
+    all_reduce(target_score)  # only the owner adds a non-zero
+    above = scores > target_score[:, None]
+    left_out = torch.zeros_like(above)
+    left_out[rows, torch.from_numpy(targets[owned] - lo)] = True
+    if exclude_history:
+        for i, h in enumerate(histories):
+            local = h[(h >= lo) & (h < lo + n)] - lo
+            left_out[i, torch.from_numpy(local)] = True
+    counts = (above & ~left_out).sum(dim=1).to(torch.int64)
+    all_reduce(counts)
+    return counts.numpy()
+
+
 def evaluate_retrieval(model, held_out: list[Batch], *, num_items: int, ks: list[int], exclude_history: bool,
-                       group: dist.ProcessGroup, user_hash_size: int) -> dict:
+                       group: dist.ProcessGroup | None, user_hash_size: int) -> dict:
     """The metrics above over every rank's held-out samples; ``model(batch) -> (loss, StepOutput)``
-    is the pipeline's evaluation forward (a collective: every rank calls this together)."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    is the pipeline's evaluation forward (a collective: every rank calls this together).
+    ``group=None``: one process without a process group holds the model whole (``freescale
+    export``)."""
+    rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     lo, batches = item_batches(num_items, rank, world, user_hash_size)
     share = _share([model(b)[1].items for b in batches], lo, num_items, world)  # [n_share, D]
 
     queries, targets, histories = [], [], []
     for batch in held_out:
         out = model(batch)[1]
-        first = offsets_of(batch.cand_counts)[:-1]
-        cand_ids = batch.seq_features.values()[int(batch.uih_lengths.sum()):]
-        uih_ids = batch.seq_features.values()[:int(batch.uih_lengths.sum())].numpy()
-        has = batch.uih_lengths > 0
+        has, target, history = held_out_users(batch)
         queries.append(out.queries.float().cpu()[has])
-        targets.append(cand_ids[first][has].numpy())
-        bounds = offsets_of(batch.uih_lengths).numpy()
-        histories += [uih_ids[a:b] for a, b, h in zip(bounds[:-1], bounds[1:], has.tolist()) if h]
+        targets.append(target)
+        histories += history
     dim = share.shape[1] if share.numel() else (queries[0].shape[1] if queries else 1)
     mine = (torch.cat(queries) if queries else torch.zeros((0, dim)), np.concatenate(targets) if targets else
             np.zeros(0, dtype=np.int64), histories)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, mine, group=group)
+    if group is not None:
+        dist.all_gather_object(gathered, mine, group=group)
+    else:
+        gathered = [mine]
     q = torch.cat([g[0] for g in gathered])
     target = np.concatenate([g[1] for g in gathered]).astype(np.int64)
     history = [h for g in gathered for h in g[2]]
     if not len(target):
         return {}
-
-    scores = q @ share.T  # [queries, share]
-    n = share.shape[0]
-    owned = (target >= lo) & (target < lo + n)
-    target_score = torch.zeros(len(target), dtype=torch.float32)
-    rows = torch.from_numpy(np.flatnonzero(owned))
-    target_score[rows] = scores[rows, torch.from_numpy(target[owned] - lo)]
-    dist.all_reduce(target_score, group=group)  # only the owner adds a non-zero
-    above = scores > target_score[:, None]
-    left_out = torch.zeros_like(above)
-    left_out[rows, torch.from_numpy(target[owned] - lo)] = True
-    if exclude_history:
-        for i, h in enumerate(history):
-            local = h[(h >= lo) & (h < lo + n)] - lo
-            left_out[i, torch.from_numpy(local)] = True
-    counts = (above & ~left_out).sum(dim=1).to(torch.int64)
-    dist.all_reduce(counts, group=group)
-    return rank_metrics(counts.numpy(), ks)
+    reduce = (lambda t: dist.all_reduce(t, group=group)) if group is not None else _no_reduce
+    return rank_metrics(target_ranks(q, share, lo, target, history, exclude_history, reduce), ks)
 
 
 def retrieval_line(result: dict, ks: list[int]) -> str:

@@ -35,7 +35,7 @@ def _training_logits(task, uih, uih_lengths, cand, cand_counts, user):
     _, out = task(uih, cand, user if task.cfg.user_features else None, torch.zeros(nu + n, dtype=torch.long),
                   uih_lengths, cand_counts, torch.zeros(nu, dtype=torch.long), torch.zeros(n, dtype=torch.long),
                   torch.zeros(n, 1), torch.arange(len(uih_lengths)), torch.tensor(0), torch.tensor(1.0))
-    return out.logits[:, 0]
+    return out.logits
 
 
 def _serving_logits(dense, uih, uih_lengths, cand, cand_counts, user):
@@ -120,3 +120,37 @@ def test_the_loader_groups_a_request_as_training_groups_a_batch():
         lengths = [int(x) for x in g.lognormal(3, 1.2, int(g.integers(1, 40)))]
         padding = float(g.choice([1.0, 1.25, 2.0, 8.0]))
         assert length_groups(lengths, padding) == group_by_length(lengths, padding), (lengths, padding)
+
+
+class DenseExportFails(RuntimeError):
+    """The fault injected into an export after it has written files."""
+
+
+@pytest.mark.parametrize("out_exists", [False, True])
+def test_an_export_that_fails_midway_leaves_nothing_behind(tmp_path, monkeypatch, out_exists):
+    """The dense export runs for real (``tables.pt`` and ``dense.pt2`` are written), then fails:
+    neither ``--out`` nor a temporary sibling remains, and an empty ``--out`` that was there
+    before is left as it was."""
+    import os
+
+    from freescale.serve import export as export_module
+
+    real = export_module.export_dense
+    written = []
+
+    def fails_after_writing(task, path):
+        real(task, path)
+        written.extend(sorted(os.listdir(os.path.dirname(path))))
+        raise DenseExportFails("injected after the tables and the program were written")
+
+    monkeypatch.setattr(export_module, "export_dense", fails_after_writing)
+    root = tmp_path / "exports"
+    root.mkdir()
+    if out_exists:
+        (root / "fp32").mkdir()
+    with pytest.raises(DenseExportFails):
+        _in_memory_export(root)
+    assert written == ["dense.pt2", "tables.pt"]  # the export had started writing
+    assert sorted(os.listdir(root)) == (["fp32"] if out_exists else [])
+    if out_exists:
+        assert os.listdir(root / "fp32") == []
