@@ -1,0 +1,86 @@
+"""scripts/bench_quality.py's own arithmetic and command-line checks (no training, no RecBole)."""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SCRIPT = os.path.join(REPO, "scripts", "bench_quality.py")
+_spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
+bq = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bq)
+
+
+def _run(hr, ndcg, mrr, mrr10, seconds):
+    return {"metrics": {"hr@10": hr, "ndcg@10": ndcg, "mrr": mrr, "mrr@10": mrr10}, "train_s": seconds}
+
+
+RUNS = {
+    "sasrec": {"0": _run(0.10, 0.05, 0.04, 0.03, 100.0), "1": _run(0.12, 0.06, 0.05, 0.04, 110.0),
+               "2": _run(0.14, 0.07, 0.06, 0.05, 120.0)},
+    "hstu": {"0": _run(0.15, 0.09, 0.07, 0.06, 50.0), "1": _run(0.18, 0.06, 0.08, 0.07, 40.0),
+             "2": _run(0.21, 0.09, 0.09, 0.08, 60.0)},
+}
+
+
+def test_summary_means_ranges_and_ratio():
+    s = bq.summarize(RUNS)
+    assert s["sasrec"]["hr@10"] == pytest.approx({"mean": 0.12, "min": 0.10, "max": 0.14})
+    assert s["hstu"]["train_s"] == pytest.approx({"mean": 50.0, "min": 40.0, "max": 60.0})
+    assert s["ratio_hstu_over_sasrec"] == pytest.approx({"hr@10": 0.18 / 0.12, "ndcg@10": 0.08 / 0.06})
+
+
+def test_one_model_has_no_ratio():
+    s = bq.summarize({"sasrec": RUNS["sasrec"]})
+    assert "ratio_hstu_over_sasrec" not in s and "hstu" not in s
+
+
+def test_table_lists_each_seed_the_mean_and_the_ratio():
+    table = bq.format_table(RUNS, bq.summarize(RUNS))
+    assert table.count("\nsasrec ") == 4 and table.count("\nhstu ") == 4
+    assert "0.1200 (0.1000..0.1400)" in table
+    assert "hr@10 1.500x" in table and "ndcg@10 1.333x" in table
+
+
+def test_json_round_trips_and_is_reusable(tmp_path):
+    args = bq.parse_args(["--seeds", "0", "1", "2", "--only", "sasrec", "--out", str(tmp_path / "q.json")])
+    doc = bq.result_document(args, {"sasrec": RUNS["sasrec"]}, {"shared": bq.SETTINGS, "sasrec": {"epochs": 5}},
+                             {"python": "3"}, ["scripts/bench_quality.py", "--only", "sasrec"])
+    path = tmp_path / "q.json"
+    bq.write_json_atomic(str(path), doc)
+    back = json.loads(path.read_text())
+    assert back["summary"]["sasrec"]["mrr"]["mean"] == pytest.approx(0.05)
+    assert back["command"] == "scripts/bench_quality.py --only sasrec"
+    reused = bq.parse_args(["--seeds", "0", "2", "--reuse-sasrec", str(path), "--out", str(tmp_path / "b.json")])
+    assert sorted(reused.reused["runs"]) == ["0", "2"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--seeds", "-1"], "--seeds: seeds must be >= 0"),
+    (["--seeds", "1", "1"], "--seeds: each seed once"),
+    (["--seeds", "x"], "invalid int value"),
+    (["--only", "bert4rec"], "invalid choice"),
+    (["--sasrec-epochs", "0"], "--sasrec-epochs: expected >= 1"),
+    (["--reuse-sasrec", "/nonexistent.json"], "--reuse-sasrec: cannot read"),
+    (["--reuse-sasrec", "x.json", "--only", "sasrec"], "nothing would run"),
+    (["--out", "/nonexistent/dir/q.json"], "--out: folder"),
+])
+def test_bad_arguments_fail_in_one_line(argv, message, capsys):
+    assert bq.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("bench_quality.py: error: ") and message in err
+
+
+def test_reuse_needs_every_seed(tmp_path):
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps({"settings": {"shared": bq.SETTINGS}, "runs": {"sasrec": {"0": RUNS["sasrec"]["0"]}}}))
+    assert bq.main(["--seeds", "0", "1", "--reuse-sasrec", str(path)]) == 2
+
+
+def test_command_line_exit_status():
+    proc = subprocess.run([sys.executable, SCRIPT, "--only", "nope"], capture_output=True, text=True)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1
