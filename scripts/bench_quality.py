@@ -145,6 +145,8 @@ def summarize(runs: dict) -> dict:
         figures = list(per_seed.values())
         summary[model] = {m: spread([r["metrics"][m] for r in figures]) for m in METRICS}
         summary[model]["train_s"] = spread([r["train_s"] for r in figures])
+        if all("epoch_s" in r for r in figures):
+            summary[model]["epoch_s"] = spread([s for r in figures for s in r["epoch_s"]])
     if "sasrec" in summary and "hstu" in summary:
         summary["ratio_hstu_over_sasrec"] = {m: summary["hstu"][m]["mean"] / summary["sasrec"][m]["mean"]
                                              for m in RATIO_METRICS}
@@ -152,17 +154,25 @@ def summarize(runs: dict) -> dict:
 
 
 def format_table(runs: dict, summary: dict) -> str:
-    head = f"{'model':<8}{'seed':>12}" + "".join(f"{m:>22}" for m in METRICS) + f"{'train s':>24}"
+    head = f"{'model':<8}{'seed':>14}" + "".join(f"{m:>24}" for m in METRICS) + f"{'train s':>24}"
     lines = [head, "-" * len(head)]
     for model, per_seed in runs.items():
         for seed, r in sorted(per_seed.items(), key=lambda kv: int(kv[0])):
-            lines.append(f"{model:<8}{seed:>12}" + "".join(f"{r['metrics'][m]:>22.4f}" for m in METRICS)
+            lines.append(f"{model:<8}{seed:>14}" + "".join(f"{r['metrics'][m]:>24.4f}" for m in METRICS)
                          + f"{r['train_s']:>24.1f}")
         if model in summary:
             s = summary[model]
             cell = lambda x, f: f"{x['mean']:{f}} ({x['min']:{f}}..{x['max']:{f}})"  # noqa: E731
-            lines.append(f"{model:<8}{'mean (range)':>12}" + "".join(f"{cell(s[m], '.4f'):>22}" for m in METRICS)
+            lines.append(f"{model:<8}{'mean (range)':>14}" + "".join(f"{cell(s[m], '.4f'):>24}" for m in METRICS)
                          + f"{cell(s['train_s'], '.1f'):>24}")
+    for model, per_seed in runs.items():
+        for seed, r in sorted(per_seed.items(), key=lambda kv: int(kv[0])):
+            if r.get("valid_mrr@10"):
+                lines.append(f"{model} seed {seed} validation MRR@10 by epoch: "
+                             + " ".join(f"{v:.4f}" for v in r["valid_mrr@10"]))
+        if "epoch_s" in summary.get(model, {}):
+            e = summary[model]["epoch_s"]
+            lines.append(f"{model} seconds per epoch: {e['mean']:.1f} ({e['min']:.1f}..{e['max']:.1f})")
     if "ratio_hstu_over_sasrec" in summary:
         lines.append("HSTU/SASRec (means): " + ", ".join(f"{m} {v:.3f}x"
                                                          for m, v in summary["ratio_hstu_over_sasrec"].items()))
@@ -210,7 +220,12 @@ def run_sasrec(python: str, seed: int, epochs: int, split: str, work: str) -> di
             raise RuntimeError(f"SASRec seed {seed} failed: {' '.join(cmd)}")
     with open(out) as f:
         driver = json.load(f)
-    return {"metrics": driver["metrics"], "train_s": driver["train_seconds"], "driver": driver}
+    for point in driver["valid_curve"]:
+        say(f"SASRec seed {seed} validation after epoch {point['epoch']}: "
+            + " ".join(f"{k} {v:.4f}" for k, v in point.items() if k != "epoch"))
+    return {"metrics": driver["metrics"], "train_s": driver["train_seconds"],
+            "epoch_s": [round(e["seconds"], 2) for e in driver["epochs"]],
+            "valid_mrr@10": [round(p["mrr@10"], 4) for p in driver["valid_curve"]], "driver": driver}
 
 
 def run_hstu(seed: int) -> dict:

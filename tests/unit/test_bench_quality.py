@@ -34,6 +34,16 @@ def test_summary_means_ranges_and_ratio():
     assert s["ratio_hstu_over_sasrec"] == pytest.approx({"hr@10": 0.18 / 0.12, "ndcg@10": 0.08 / 0.06})
 
 
+def test_epoch_times_and_validation_curve_are_reported():
+    runs = {"sasrec": {"0": {**_run(0.1, 0.05, 0.04, 0.03, 30.0), "epoch_s": [10.0, 20.0], "valid_mrr@10": [0.01, 0.02]},
+                       "1": {**_run(0.1, 0.05, 0.04, 0.03, 30.0), "epoch_s": [15.0, 15.0], "valid_mrr@10": [0.01, 0.03]}}}
+    s = bq.summarize(runs)
+    assert s["sasrec"]["epoch_s"] == pytest.approx({"mean": 15.0, "min": 10.0, "max": 20.0})
+    table = bq.format_table(runs, s)
+    assert "sasrec seed 1 validation MRR@10 by epoch: 0.0100 0.0300" in table
+    assert "sasrec seconds per epoch: 15.0 (10.0..20.0)" in table
+
+
 def test_one_model_has_no_ratio():
     s = bq.summarize({"sasrec": RUNS["sasrec"]})
     assert "ratio_hstu_over_sasrec" not in s and "hstu" not in s
