@@ -40,7 +40,7 @@ def test_epoch_times_and_validation_curve_are_reported():
     s = bq.summarize(runs)
     assert s["sasrec"]["epoch_s"] == pytest.approx({"mean": 15.0, "min": 10.0, "max": 20.0})
     table = bq.format_table(runs, s)
-    assert "sasrec seed 1 validation MRR@10 by epoch: 0.0100 0.0300" in table
+    assert "sasrec seed 1 validation MRR@10 by epoch: 0.0100 0.0300  (still rising: NOT converged)" in table
     assert "sasrec seconds per epoch: 15.0 (10.0..20.0)" in table
 
 
@@ -94,3 +94,10 @@ def test_reuse_needs_every_seed(tmp_path):
 def test_command_line_exit_status():
     proc = subprocess.run([sys.executable, SCRIPT, "--only", "nope"], capture_output=True, text=True)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1
+
+
+def test_convergence_is_read_from_the_validation_curve():
+    assert bq.converged([0.01, 0.05, 0.08]) is False
+    assert bq.converged([0.05, 0.080, 0.0801]) is True
+    assert bq.converged([0.05, 0.09, 0.08]) is True
+    assert bq.converged([0.05]) is None
