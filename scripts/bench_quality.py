@@ -105,6 +105,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if args.only == "sasrec":
             raise UsageError("--reuse-sasrec with --only sasrec: nothing would run")
         args.reused = load_reused_sasrec(args.reuse_sasrec, args.seeds)
+    if args.only != "sasrec" and not os.path.exists(os.path.join(REPO, HSTU_CONFIG)):
+        raise UsageError(f"{HSTU_CONFIG} (FreeScale's HSTU retrieval config) does not exist; --only sasrec runs the peer alone")
     if not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
         raise UsageError(f"--out: folder {os.path.dirname(os.path.abspath(args.out))} does not exist")
     return args

@@ -13,6 +13,8 @@ SCRIPT = os.path.join(REPO, "scripts", "bench_quality.py")
 _spec = importlib.util.spec_from_file_location("bench_quality", SCRIPT)
 bq = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(bq)
+# A config that ships: the argument checks below are about arguments, not the HSTU config's arrival.
+EXISTING_CONFIG = "configs/ml100k.yaml"
 
 
 def _run(hr, ndcg, mrr, mrr10, seconds):
@@ -56,7 +58,8 @@ def test_table_lists_each_seed_the_mean_and_the_ratio():
     assert "hr@10 1.500x" in table and "ndcg@10 1.333x" in table
 
 
-def test_json_round_trips_and_is_reusable(tmp_path):
+def test_json_round_trips_and_is_reusable(tmp_path, monkeypatch):
+    monkeypatch.setattr(bq, "HSTU_CONFIG", EXISTING_CONFIG)
     args = bq.parse_args(["--seeds", "0", "1", "2", "--only", "sasrec", "--out", str(tmp_path / "q.json")])
     doc = bq.result_document(args, {"sasrec": RUNS["sasrec"]}, {"shared": bq.SETTINGS, "sasrec": {"epochs": 5}},
                              {"python": "3"}, ["scripts/bench_quality.py", "--only", "sasrec"])
@@ -79,13 +82,22 @@ def test_json_round_trips_and_is_reusable(tmp_path):
     (["--reuse-sasrec", "x.json", "--only", "sasrec"], "nothing would run"),
     (["--out", "/nonexistent/dir/q.json"], "--out: folder"),
 ])
-def test_bad_arguments_fail_in_one_line(argv, message, capsys):
+def test_bad_arguments_fail_in_one_line(argv, message, capsys, monkeypatch):
+    monkeypatch.setattr(bq, "HSTU_CONFIG", EXISTING_CONFIG)
     assert bq.main(argv) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("bench_quality.py: error: ") and message in err
 
 
-def test_reuse_needs_every_seed(tmp_path):
+def test_a_missing_hstu_config_is_named(monkeypatch, capsys):
+    monkeypatch.setattr(bq, "HSTU_CONFIG", "configs/no_such.yaml")
+    assert bq.main(["--only", "hstu"]) == 2
+    assert "configs/no_such.yaml (FreeScale's HSTU retrieval config) does not exist" in capsys.readouterr().err
+    assert bq.parse_args(["--only", "sasrec"]).only == "sasrec"
+
+
+def test_reuse_needs_every_seed(tmp_path, monkeypatch):
+    monkeypatch.setattr(bq, "HSTU_CONFIG", EXISTING_CONFIG)
     path = tmp_path / "q.json"
     path.write_text(json.dumps({"settings": {"shared": bq.SETTINGS}, "runs": {"sasrec": {"0": RUNS["sasrec"]["0"]}}}))
     assert bq.main(["--seeds", "0", "1", "--reuse-sasrec", str(path)]) == 2
