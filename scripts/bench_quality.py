@@ -241,25 +241,34 @@ def run_sasrec(python: str, seed: int, epochs: int, split: str, work: str) -> di
             "converged": converged([p["mrr@10"] for p in driver["valid_curve"]]), "driver": driver}
 
 
-def run_hstu(seed: int) -> dict:
-    """One FreeScale HSTU seed: ``freescale train`` into a fresh folder, then its summary.json."""
-    with tempfile.TemporaryDirectory(prefix="bench_quality-") as out_dir:
-        cmd = [sys.executable, "-m", "freescale", "train", "--config", HSTU_CONFIG, f"--run.seed={seed}",
-               f"--run.out_dir={out_dir}"]
-        say(f"HSTU seed {seed}: {' '.join(cmd[1:])}")
-        if subprocess.run(cmd, cwd=REPO).returncode != 0:
-            raise RuntimeError(f"HSTU seed {seed} failed: {' '.join(cmd)}")
-        found = glob.glob(os.path.join(out_dir, "*", "summary.json"))
-        if len(found) != 1:
-            raise RuntimeError(f"HSTU seed {seed}: expected one summary.json under {out_dir}, found {len(found)}")
-        with open(found[0]) as f:
-            summary = json.load(f)
+def hstu_command(seed: int, out_dir: str) -> list[str]:
+    return [sys.executable, "-m", "freescale", "train", "--config", HSTU_CONFIG, f"--run.seed={seed}",
+            f"--run.out_dir={out_dir}"]
+
+
+def read_hstu_summary(out_dir: str, seed: int) -> dict:
+    """The figures of the one run folder under ``out_dir``, from its summary.json."""
+    found = glob.glob(os.path.join(out_dir, "*", "summary.json"))
+    if len(found) != 1:
+        raise RuntimeError(f"HSTU seed {seed}: expected one summary.json under {out_dir}, found {len(found)}")
+    with open(found[0]) as f:
+        summary = json.load(f)
     missing = [k for k in HSTU_SUMMARY_KEYS.values() if k not in summary]
     if missing:
-        raise RuntimeError(f"HSTU seed {seed}: summary.json lacks {missing}")
+        raise RuntimeError(f"HSTU seed {seed}: {found[0]} lacks {missing}")
     time_key = "train_s" if "train_s" in summary else "wall_s"
     return {"metrics": {m: float(summary[k]) for m, k in HSTU_SUMMARY_KEYS.items()},
             "train_s": float(summary[time_key]), "train_s_source": time_key, "summary": summary}
+
+
+def run_hstu(seed: int) -> dict:
+    """One FreeScale HSTU seed: ``freescale train`` into a fresh folder, then its summary.json."""
+    with tempfile.TemporaryDirectory(prefix="bench_quality-") as out_dir:
+        cmd = hstu_command(seed, out_dir)
+        say(f"HSTU seed {seed}: {' '.join(cmd[1:])}")
+        if subprocess.run(cmd, cwd=REPO).returncode != 0:
+            raise RuntimeError(f"HSTU seed {seed} failed: {' '.join(cmd)}")
+        return read_hstu_summary(out_dir, seed)
 
 
 def versions(recbole_driver_versions: dict | None) -> dict:

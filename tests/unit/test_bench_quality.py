@@ -113,3 +113,21 @@ def test_convergence_is_read_from_the_validation_curve():
     assert bq.converged([0.05, 0.080, 0.0801]) is True
     assert bq.converged([0.05, 0.09, 0.08]) is True
     assert bq.converged([0.05]) is None
+
+
+def test_hstu_run_command_and_summary(tmp_path):
+    cmd = bq.hstu_command(3, str(tmp_path))
+    assert cmd[1:] == ["-m", "freescale", "train", "--config", "configs/hstu_ml100k.yaml", "--run.seed=3",
+                       f"--run.out_dir={tmp_path}"]
+    run = tmp_path / "hstu_ml100k-20260101-000000"
+    run.mkdir()
+    figures = {"eval/hr@10": 0.2, "eval/ndcg@10": 0.1, "eval/mrr": 0.09, "eval/mrr@10": 0.08, "wall_s": 70.0}
+    (run / "summary.json").write_text(json.dumps(figures))
+    got = bq.read_hstu_summary(str(tmp_path), 3)
+    assert got["metrics"] == {"hr@10": 0.2, "ndcg@10": 0.1, "mrr": 0.09, "mrr@10": 0.08}
+    assert (got["train_s"], got["train_s_source"]) == (70.0, "wall_s")
+    (run / "summary.json").write_text(json.dumps({**figures, "train_s": 60.0}))
+    assert bq.read_hstu_summary(str(tmp_path), 3)["train_s"] == 60.0
+    (run / "summary.json").write_text(json.dumps({"eval/hr@10": 0.2}))
+    with pytest.raises(RuntimeError, match="lacks"):
+        bq.read_hstu_summary(str(tmp_path), 3)
