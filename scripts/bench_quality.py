@@ -94,6 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sasrec-epochs", type=int, default=5, help="SASRec's training epochs (fixed; default 5)")
     p.add_argument("--sasrec-split", choices=["valid_and_test", "test_only"], default="valid_and_test",
                    help="RecBole's leave-one-out mode for SASRec (see the protocol)")
+    p.add_argument("--note", default="", help="free text kept in the JSON (how the runs were made, the machine's load)")
     args = p.parse_args(argv)
     if any(s < 0 for s in args.seeds):
         raise UsageError(f"--seeds: seeds must be >= 0, got {args.seeds}")
@@ -193,7 +194,8 @@ def format_table(runs: dict, summary: dict) -> str:
 
 def result_document(args, runs: dict, settings: dict, versions: dict, argv: list[str]) -> dict:
     summary = summarize(runs)
-    return {"command": " ".join(argv), "seeds": args.seeds, "settings": settings, "versions": versions,
+    return {"command": " ".join(argv), "note": args.note, "seeds": args.seeds, "settings": settings,
+            "versions": versions, "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg()},
             "runs": runs, "summary": summary}
 
 
@@ -311,7 +313,8 @@ def main(argv=None) -> int:
                    "validation": "valid_and_test: second-to-last item scored every epoch (convergence check), "
                                  "never used for model selection; final epoch tested" if args.sasrec_split ==
                                  "valid_and_test" else "none: trained on everything but the last item"},
-        "hstu": {"config": HSTU_CONFIG, "summary_keys": HSTU_SUMMARY_KEYS}}
+        "hstu": {"config": HSTU_CONFIG, "summary_keys": HSTU_SUMMARY_KEYS,
+                 "time_key": "train_s (wall seconds of training only; wall_s is taken, and marked, without it)"}}
     runs = {"sasrec": {}, "hstu": {}}
     work = os.path.join(REPO, "runs", "quality")
     os.makedirs(work, exist_ok=True)
