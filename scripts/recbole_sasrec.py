@@ -112,6 +112,9 @@ def main(argv=None) -> int:
     from recbole.utils import init_seed
 
     os.makedirs(args.work_dir, exist_ok=True)
+    args.out = os.path.abspath(args.out)
+    # RecBole's Trainer writes TensorBoard files under ./log_tensorboard: keep them out of the checkout.
+    os.chdir(args.work_dir)
     data_root = os.path.join(os.path.dirname(recbole.__file__), "dataset_example")
     inter_path = os.path.join(data_root, "ml-100k", "ml-100k.inter")
     changed = {
@@ -128,7 +131,7 @@ def main(argv=None) -> int:
         "topk": [10],
         "valid_metric": "MRR@10",
     }
-    plumbing = {"data_path": data_root, "checkpoint_dir": os.path.join(args.work_dir, "saved"), "use_gpu": False,
+    plumbing = {"data_path": data_root, "checkpoint_dir": "saved", "use_gpu": False,
                 "show_progress": False, "state": "WARNING", "log_wandb": False}
     config = Config(model="SASRec", dataset="ml-100k", config_dict={**changed, **plumbing})
     init_seed(config["seed"], config["reproducibility"])
