@@ -44,6 +44,7 @@ def parse_args(argv=None):
     p.add_argument("--epochs", type=int, required=True)
     p.add_argument("--max-len", type=int, default=50, help="MAX_ITEM_LIST_LENGTH (RecBole's default 50)")
     p.add_argument("--embedding-dim", type=int, default=64, help="SASRec hidden_size (RecBole's default 64)")
+    p.add_argument("--batch-size", type=int, default=2048, help="train_batch_size (RecBole's default 2048)")
     p.add_argument("--split", choices=["test_only", "valid_and_test"], default="test_only")
     p.add_argument("--work-dir", default="runs/cache/recbole-work", help="RecBole's checkpoint and log folder")
     p.add_argument("--out", required=True, help="JSON file for the results")
@@ -122,6 +123,7 @@ def main(argv=None) -> int:
         "MAX_ITEM_LIST_LENGTH": args.max_len,
         "hidden_size": args.embedding_dim,
         "epochs": args.epochs,
+        "train_batch_size": args.batch_size,
         # The CE loss (SASRec's default) scores every item; RecBole refuses a negative sampler with it.
         "train_neg_sample_args": None,
         # Every epoch is trained: the epoch count is fixed, chosen beforehand on the validation curve.

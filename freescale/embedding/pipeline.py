@@ -1,7 +1,7 @@
 """Training over FreeScale's own sharded tables: the synchronous reference and the prioritized pipeline.
 
 Both train the same model (``OwnedModel``: ``ShardedTables`` for the item and user tables,
-the dense ``SeqRecTask`` replicated with its gradients all-reduced) on the same batches and
+the dense task replicated with its gradients all-reduced) on the same batches and
 give bitwise the same result on CPU; they differ in when the embedding exchanges happen.
 
 ``sync`` (the reference), per step: exchange the batch's ids, look up and exchange its rows,
@@ -85,7 +85,7 @@ from freescale.transport.base import HIGH, NORMAL
 class OwnedModel(nn.Module):
     """The sequence model over ``ShardedTables``: the tables' rows come in, the loss goes out."""
 
-    def __init__(self, tables: ShardedTables, task: SeqRecTask, user_features: bool) -> None:
+    def __init__(self, tables: ShardedTables, task: nn.Module, user_features: bool) -> None:
         super().__init__()
         self.tables = tables
         self.task = task

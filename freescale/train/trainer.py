@@ -214,6 +214,7 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     batches = timeline.timed_batches(balancer.batches(cursor.stream()))
     window = StepWindow()
     started = time.perf_counter()
+    aside = 0.0  # seconds of evaluations and checkpoints inside the loop
     while trainer.step < cfg.train.steps:
         faults.before_step(trainer.step + 1)
         timeline.begin_step(trainer.step + 1)
@@ -234,12 +235,14 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         window.add(out.loss, len(out.sample_ids) if vote.trained else 0, flops)
         if _due(trainer.step, cfg.run.log_every, cfg.train.steps):
             window = _log_progress(trainer.step, window, metrics, log, group, peak.flop_per_s, tally)
+        paused = time.perf_counter()
         if held_out and _due(trainer.step, cfg.train.eval_every, cfg.train.steps):
             metrics.write({"step": trainer.step, **_evaluate(pipeline, held_out, log, trainer.step, group, cfg,
                                                              inputs.train_source.num_items)})
         if _due(trainer.step, cfg.checkpoint.every, cfg.train.steps if cfg.checkpoint.at_end else 0):
             pipeline.drain()  # every update the trained batches owe is in the tables
             log.info(f"checkpoint {checkpointer.save(trainer.step, state)}", extra={"step": trainer.step})
+        aside += time.perf_counter() - paused
 
     replica.check_group("the end of the run")
     pipeline.drain()
@@ -252,6 +255,7 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         "resumed_from": resume_from or None,
         "ranks": topo.world_size,
         "wall_s": round(time.perf_counter() - started, 3),
+        "train_s": round(time.perf_counter() - started - aside, 3),  # without evaluations and checkpoints
         "efficiency": {**mfu.measures(tally.flops, tally.samples, tally.seconds, peak.flop_per_s, topo.world_size),
                        "peak(TFLOP/s per rank)": round(peak.flop_per_s / 1e12, 6)},
     }
