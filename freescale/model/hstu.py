@@ -95,6 +95,7 @@ class HSTUGroup:
     mask: torch.Tensor  # [g, P, P] bool: query i may attend to key j
     positions: torch.Tensor  # [g, P, P] int64: j's position - i's position + N - 1
     time_buckets: torch.Tensor  # [g, P, P] int64: bucket(|t_query(i) - t_j|), unclamped
+    weight: torch.Tensor  # [g, 1, P, P] float32: 1 / N where the mask allows, 0 elsewhere
 
 
 def _host(tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -139,18 +140,23 @@ class HSTULayout:
         offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=offsets[1:])
         self.groups: list[HSTUGroup] = []
-        order = []
+        order, rows, gather, start = [], [], [], 0
         for padded, members in self.grouping(self.lengths, max_len, max_padding):
             samples = torch.tensor(members, dtype=torch.long)
             group = _group_on_host(offsets[samples], lengths[samples], targets[samples], timestamps, padded, max_len)
             order.append(group.index.reshape(-1)[group.real])
+            rows.append(group.real + start)
+            gather.append(group.index.reshape(-1))
+            start += group.index.numel()
             self.groups.append(HSTUGroup(*(to_device(t, device) for t in (
-                group.index, group.real, group.mask, group.positions, group.time_buckets))))
-        perm = torch.cat(order)
-        # Outputs come out group by group; this puts them back in packed (sample) order.
-        unpermute = torch.empty_like(perm)
-        unpermute[perm] = torch.arange(perm.numel())
-        self.unpermute = to_device(unpermute, device)
+                group.index, group.real, group.mask, group.positions, group.time_buckets, group.weight))))
+        # Every group's padded rows, concatenated: ``gather`` takes them from the packed tokens (one
+        # gather for all groups) and ``scatter`` puts each packed token's output row back.
+        self.sizes = [g.index.numel() for g in self.groups]
+        self.gather = to_device(torch.cat(gather), device)
+        scatter = torch.empty(int(lengths.sum()), dtype=torch.long)
+        scatter[torch.cat(order)] = torch.cat(rows)
+        self.scatter = to_device(scatter, device)
         self._clamped: dict[int, list[torch.Tensor]] = {}
 
     @staticmethod
@@ -191,6 +197,7 @@ def _group_on_host(offsets: torch.Tensor, lengths: torch.Tensor, targets: torch.
         mask=mask,
         positions=position[:, None, :] - position[:, :, None] + max_len - 1,
         time_buckets=time_bucket(query_time[:, :, None] - key_time[:, None, :]),
+        weight=(mask / float(max_len)).to(torch.float32)[:, None],
     )
 
 
@@ -236,17 +243,53 @@ class HSTULayer(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HSTULayout) -> torch.Tensor:
         """``SiLU(QK^T + rab) / N`` masked, times ``V``: one batched matmul pair per group."""
         h, dv, dqk = self.num_heads, self.linear_dim, self.attention_dim
+        qs, ks, vs = (t.index_select(0, layout.gather).split(layout.sizes) for t in (q, k, v))
+        buckets = layout.time_buckets(self.bias.num_time_buckets)
         outputs = []
-        for group, rab in zip(layout.groups, self.bias(layout)):
+        for group, time_buckets, qg, kg, vg in zip(layout.groups, buckets, qs, ks, vs):
             g, padded = group.index.shape
-            qh = q[group.index].view(g, padded, h, dqk).transpose(1, 2)
-            kh = k[group.index].view(g, padded, h, dqk).transpose(1, 2)
-            vh = v[group.index].view(g, padded, h, dv).transpose(1, 2)
-            scores = F.silu(qh @ kh.transpose(-1, -2) + rab[:, None]) / self.max_len
-            weights = torch.where(group.mask[:, None], scores, 0.0)
-            out = (weights @ vh).transpose(1, 2).reshape(g * padded, h * dv)
-            outputs.append(out.index_select(0, group.real))
-        return torch.cat(outputs)[layout.unpermute]
+            out = _GroupAttention.apply(qg.view(g, padded, h, dqk).transpose(1, 2),
+                                        kg.view(g, padded, h, dqk).transpose(1, 2),
+                                        vg.view(g, padded, h, dv).transpose(1, 2), self.bias.position_weight,
+                                        self.bias.time_weight, group.positions, time_buckets, group.weight)
+            outputs.append(out.transpose(1, 2).reshape(g * padded, h * dv))
+        return torch.cat(outputs).index_select(0, layout.scatter)
+
+
+class _GroupAttention(torch.autograd.Function):
+    """One group's ``(SiLU(Q K^T + rab) * weight) V`` with ``rab = pos_w[positions] + ts_w[buckets]``.
+
+    The same arithmetic as the composed ops, with a backward written for it: autograd's
+    would keep and walk a ``[g, h, P, P]`` tensor per elementwise op (the bias add, SiLU, the
+    division, the mask) and scatter the bias gradient through an accumulating ``index_put``;
+    here the backward is two passes over the scores (the mask and ``1/N`` as one multiply, then
+    SiLU's derivative) and the bias tables' gradients are one ``index_add`` each.
+    ``weight`` is ``1/N`` where the mask allows and 0 elsewhere, so a padded slot adds an exact
+    zero (its rows hold a real token's finite values, never uninitialized memory).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, position_weight, time_weight, positions, buckets, weight):
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores += (position_weight[positions] + time_weight[buckets])[:, None]
+        attention = F.silu(scores).mul_(weight)
+        ctx.save_for_backward(q, k, v, scores, attention, positions, buckets, weight)
+        ctx.table_sizes = (position_weight.numel(), time_weight.numel())
+        return torch.matmul(attention, v)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, scores, attention, positions, buckets, weight = ctx.saved_tensors
+        grad_v = torch.matmul(attention.transpose(-1, -2), grad_out)
+        grad_scores = torch.matmul(grad_out, v.transpose(-1, -2)).mul_(weight)
+        grad_scores = torch.ops.aten.silu_backward(grad_scores, scores)
+        grad_q = torch.matmul(grad_scores, k)
+        grad_k = torch.matmul(grad_scores.transpose(-1, -2), q)
+        grad_bias = grad_scores.sum(1).reshape(-1)
+        n_pos, n_time = ctx.table_sizes
+        grad_pos = grad_bias.new_zeros(n_pos).index_add_(0, positions.reshape(-1), grad_bias)
+        grad_time = grad_bias.new_zeros(n_time).index_add_(0, buckets.reshape(-1), grad_bias)
+        return grad_q, grad_k, grad_v, grad_pos, grad_time, None, None, None
 
 
 class HSTUEncoder(nn.Module):
