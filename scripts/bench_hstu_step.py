@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,8 +31,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = ("configs/hstu_ml100k.yaml", "configs/hstu_ranking.yaml")
 
 
-def measure(config: str, batches: int, iters: int, seed: int) -> dict:
-    """Per-step times (ms, the median over ``iters`` passes per batch) of one config, in this process."""
+def measure(config: str, batches: int, iters: int, seed: int, threads: int) -> dict:
+    """Per-step times (ms, the best of ``iters`` passes per batch: the least disturbed by the other
+    work on shared cores) of one config, in this process."""
     import numpy as np
     import torch
     import torch.nn as nn
@@ -45,6 +45,8 @@ def measure(config: str, batches: int, iters: int, seed: int) -> dict:
     from freescale.model.seqrec import build_task, task_arguments, task_settings
     from freescale.profile.peak import matmul_peak
 
+    if threads:
+        torch.set_num_threads(threads)
     cfg = load_config(os.path.join(ROOT, config), [f"data.ratings.cache={os.path.join(ROOT, 'runs/cache')}"])
     source, _ = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
     size = cfg.data.batch_size
@@ -74,7 +76,7 @@ def measure(config: str, batches: int, iters: int, seed: int) -> dict:
             start = time.perf_counter()
             step(batch)
             times.append((time.perf_counter() - start) * 1e3)
-        ms.append(statistics.median(times))
+        ms.append(min(times))
     flops = [training_flops(task, b.uih_lengths, b.cand_counts) for b in data]
     samples = [len(b) for b in data]
     peak = matmul_peak(torch.device("cpu"), matmul_widths(cfg.model), cfg.profile.peak_cache)
@@ -86,7 +88,7 @@ def measure(config: str, batches: int, iters: int, seed: int) -> dict:
 def run_variant(tree: str, args) -> dict:
     """One round of every config in a fresh process on the code under ``tree``."""
     command = [sys.executable, os.path.abspath(__file__), "--worker", "--batches", str(args.batches),
-               "--iters", str(args.iters), "--seed", str(args.seed), "--configs", ",".join(args.configs)]
+               "--iters", str(args.iters), "--seed", str(args.seed), "--threads", str(args.threads), "--configs", ",".join(args.configs)]
     env = {**os.environ, "PYTHONPATH": tree}
     done = subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True, text=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -106,6 +108,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=4, help="batches per config (the first of the train split)")
     parser.add_argument("--iters", type=int, default=3, help="timed passes per batch (their median counts)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default, as training)")
     parser.add_argument("--configs", default=",".join(CONFIGS))
     parser.add_argument("--baseline", default="", help="a git revision to time in the same run")
     parser.add_argument("--out", default="docs/results/bench_hstu_step.json")
@@ -113,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     args.configs = args.configs.split(",")
     if args.worker:
-        print(json.dumps({c: measure(c, args.batches, args.iters, args.seed) for c in args.configs}))
+        print(json.dumps({c: measure(c, args.batches, args.iters, args.seed, args.threads) for c in args.configs}))
         return
 
     from freescale.io import write_json_atomic
@@ -157,7 +160,7 @@ def main() -> None:
                   f"{span('mfu_pct', '{:.2f}'):>13} {speed:>13}")
     write_json_atomic(os.path.join(ROOT, args.out), {
         "command": " ".join(["scripts/bench_hstu_step.py", *sys.argv[1:]]),
-        "baseline": args.baseline, "settings": {k: getattr(args, k) for k in ("repeats", "batches", "iters", "seed")},
+        "baseline": args.baseline, "settings": {k: getattr(args, k) for k in ("repeats", "batches", "iters", "seed", "threads")},
         "results": table, "rounds": rounds,
     })
 
