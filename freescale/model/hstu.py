@@ -83,7 +83,8 @@ def bucket_ladder(max_len: int, max_padding: float) -> list[int]:
 
 def time_bucket(diff: torch.Tensor) -> torch.Tensor:
     """``floor(log(max(|diff|, 1)) / 0.301)``, unclamped, in float32 as the reference computes it."""
-    return (torch.log(diff.abs().clamp(min=1).to(torch.float32)) / LOG_BUCKET_BASE).long()
+    seconds = diff.abs().clamp_(min=1).to(torch.float32)
+    return seconds.log_().div_(LOG_BUCKET_BASE).long()
 
 
 @dataclass
@@ -158,6 +159,7 @@ class HSTULayout:
         scatter[torch.cat(order)] = torch.cat(rows)
         self.scatter = to_device(scatter, device)
         self._clamped: dict[int, list[torch.Tensor]] = {}
+        self._bias_index: dict[int, torch.Tensor] = {}
 
     @staticmethod
     def grouping(lengths: list[int], max_len: int, max_padding: float) -> list[tuple[int, list[int]]]:
@@ -175,6 +177,17 @@ class HSTULayout:
             self._clamped[num_buckets] = [g.time_buckets.clamp(max=num_buckets) for g in self.groups]
         return self._clamped[num_buckets]
 
+    def bias_index(self, num_buckets: int) -> torch.Tensor:
+        """Every group's ``[g, P, P]`` entries of the bias, flattened and concatenated, as indices
+        into the table ``pos_w[:, None] + ts_w[None, :]`` of ``2N - 1`` rows and ``num_buckets + 1``
+        columns: ``position * (num_buckets + 1) + clamped bucket`` (on the device, once per batch;
+        each layer then reads its bias with one gather)."""
+        if num_buckets not in self._bias_index:
+            self._bias_index[num_buckets] = torch.cat([
+                (g.positions * (num_buckets + 1)).add_(g.time_buckets.clamp(max=num_buckets)).reshape(-1)
+                for g in self.groups])
+        return self._bias_index[num_buckets]
+
 
 def _group_on_host(offsets: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor, timestamps: torch.Tensor,
                    padded: int, max_len: int) -> HSTUGroup:
@@ -188,16 +201,23 @@ def _group_on_host(offsets: torch.Tensor, lengths: torch.Tensor, targets: torch.
     key_time = torch.where(real, timestamps[index], 0)
     # The next history token's time; the last history token and every candidate use their own.
     query_time = torch.where(slot + 1 < history, timestamps[torch.where(slot + 1 < history, index + 1, 0)], key_time)
-    diagonal = torch.eye(padded, dtype=torch.bool)[None]
-    causal = is_history[:, None, :] & (position[:, None, :] <= position[:, :, None])
-    mask = real[:, :, None] & real[:, None, :] & (causal | diagonal)
+    # The [g, P, P] tensors are the layout's cost (P up to max_len): each is made in as few
+    # passes as it takes, in place where it can be.
+    mask = position[:, None, :] <= position[:, :, None]
+    mask &= is_history[:, None, :]
+    mask |= torch.eye(padded, dtype=torch.bool)
+    mask &= real[:, :, None]
+    mask &= real[:, None, :]
+    positions = position[:, None, :] - position[:, :, None]
+    positions += max_len - 1
+    weight = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(mask, 1.0 / max_len)
     return HSTUGroup(
         index=index,
         real=real.reshape(-1).nonzero().squeeze(1),
         mask=mask,
-        positions=position[:, None, :] - position[:, :, None] + max_len - 1,
+        positions=positions,
         time_buckets=time_bucket(query_time[:, :, None] - key_time[:, None, :]),
-        weight=(mask / float(max_len)).to(torch.float32)[:, None],
+        weight=weight[:, None],
     )
 
 
@@ -211,9 +231,12 @@ class RelativeBias(nn.Module):
         self.time_weight = nn.Parameter(torch.empty(num_time_buckets + 1).normal_(std=0.02))
 
     def forward(self, layout: HSTULayout) -> list[torch.Tensor]:
-        """One ``[g, P, P]`` bias per group."""
-        return [self.position_weight[g.positions] + self.time_weight[buckets]
-                for g, buckets in zip(layout.groups, layout.time_buckets(self.num_time_buckets))]
+        """One ``[g, P, P]`` bias per group: one gather from the table of every (position, bucket)
+        sum (the same float additions, once per table entry instead of once per pair)."""
+        table = (self.position_weight[:, None] + self.time_weight[None, :]).reshape(-1)
+        biases = table.index_select(0, layout.bias_index(self.num_time_buckets))
+        return [b.view(g.positions.shape) for g, b in zip(layout.groups, biases.split(
+            [g.positions.numel() for g in layout.groups]))]
 
 
 class HSTULayer(nn.Module):
@@ -244,52 +267,44 @@ class HSTULayer(nn.Module):
         """``SiLU(QK^T + rab) / N`` masked, times ``V``: one batched matmul pair per group."""
         h, dv, dqk = self.num_heads, self.linear_dim, self.attention_dim
         qs, ks, vs = (t.index_select(0, layout.gather).split(layout.sizes) for t in (q, k, v))
-        buckets = layout.time_buckets(self.bias.num_time_buckets)
         outputs = []
-        for group, time_buckets, qg, kg, vg in zip(layout.groups, buckets, qs, ks, vs):
+        for group, rab, qg, kg, vg in zip(layout.groups, self.bias(layout), qs, ks, vs):
             g, padded = group.index.shape
             out = _GroupAttention.apply(qg.view(g, padded, h, dqk).transpose(1, 2),
                                         kg.view(g, padded, h, dqk).transpose(1, 2),
-                                        vg.view(g, padded, h, dv).transpose(1, 2), self.bias.position_weight,
-                                        self.bias.time_weight, group.positions, time_buckets, group.weight)
+                                        vg.view(g, padded, h, dv).transpose(1, 2), rab, group.weight)
             outputs.append(out.transpose(1, 2).reshape(g * padded, h * dv))
         return torch.cat(outputs).index_select(0, layout.scatter)
 
 
 class _GroupAttention(torch.autograd.Function):
-    """One group's ``(SiLU(Q K^T + rab) * weight) V`` with ``rab = pos_w[positions] + ts_w[buckets]``.
+    """One group's ``(SiLU(Q K^T + rab) * weight) V``.
 
     The same arithmetic as the composed ops, with a backward written for it: autograd's
     would keep and walk a ``[g, h, P, P]`` tensor per elementwise op (the bias add, SiLU, the
-    division, the mask) and scatter the bias gradient through an accumulating ``index_put``;
-    here the backward is two passes over the scores (the mask and ``1/N`` as one multiply, then
-    SiLU's derivative) and the bias tables' gradients are one ``index_add`` each.
-    ``weight`` is ``1/N`` where the mask allows and 0 elsewhere, so a padded slot adds an exact
-    zero (its rows hold a real token's finite values, never uninitialized memory).
+    division, the mask); here the backward is two passes over the scores (the mask and ``1/N``
+    as one multiply, then SiLU's derivative). ``weight`` is ``1/N`` where the mask allows and 0
+    elsewhere, so a padded slot adds an exact zero (its rows hold a real token's finite values,
+    never uninitialized memory).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, position_weight, time_weight, positions, buckets, weight):
+    def forward(ctx, q, k, v, rab, weight):
         scores = torch.matmul(q, k.transpose(-1, -2))
-        scores += (position_weight[positions] + time_weight[buckets])[:, None]
+        scores += rab[:, None]
         attention = F.silu(scores).mul_(weight)
-        ctx.save_for_backward(q, k, v, scores, attention, positions, buckets, weight)
-        ctx.table_sizes = (position_weight.numel(), time_weight.numel())
+        ctx.save_for_backward(q, k, v, scores, attention, weight)
         return torch.matmul(attention, v)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, scores, attention, positions, buckets, weight = ctx.saved_tensors
+        q, k, v, scores, attention, weight = ctx.saved_tensors
         grad_v = torch.matmul(attention.transpose(-1, -2), grad_out)
         grad_scores = torch.matmul(grad_out, v.transpose(-1, -2)).mul_(weight)
         grad_scores = torch.ops.aten.silu_backward(grad_scores, scores)
         grad_q = torch.matmul(grad_scores, k)
         grad_k = torch.matmul(grad_scores.transpose(-1, -2), q)
-        grad_bias = grad_scores.sum(1).reshape(-1)
-        n_pos, n_time = ctx.table_sizes
-        grad_pos = grad_bias.new_zeros(n_pos).index_add_(0, positions.reshape(-1), grad_bias)
-        grad_time = grad_bias.new_zeros(n_time).index_add_(0, buckets.reshape(-1), grad_bias)
-        return grad_q, grad_k, grad_v, grad_pos, grad_time, None, None, None
+        return grad_q, grad_k, grad_v, grad_scores.sum(1), None
 
 
 class HSTUEncoder(nn.Module):
