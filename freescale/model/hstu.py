@@ -66,6 +66,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from freescale.device import to_device
+from freescale.model.dropout import Dropout
 
 LOG_BUCKET_BASE = 0.301
 """The reference's divisor of the natural log of a time difference: buckets about 1.35x wide."""
@@ -184,7 +185,7 @@ class HSTULayout:
         each layer then reads its bias with one gather)."""
         if num_buckets not in self._bias_index:
             self._bias_index[num_buckets] = torch.cat([
-                (g.positions * (num_buckets + 1)).add_(g.time_buckets.clamp(max=num_buckets)).reshape(-1)
+                g.time_buckets.clamp(max=num_buckets).add_(g.positions, alpha=num_buckets + 1).reshape(-1)
                 for g in self.groups])
         return self._bias_index[num_buckets]
 
@@ -253,7 +254,7 @@ class HSTULayer(nn.Module):
         nn.init.zeros_(self.f1.bias)
         self.bias = RelativeBias(max_len, num_time_buckets)
         self.norm_attn = nn.LayerNorm(num_heads * linear_dim, eps=1e-6)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
         self.f2 = nn.Linear(num_heads * linear_dim, dim)
         nn.init.xavier_uniform_(self.f2.weight)
 
