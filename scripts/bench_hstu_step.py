@@ -54,8 +54,10 @@ def measure(config: str, batches: int, iters: int, seed: int, threads: int) -> d
                                cfg.model.user_hash_size) for i in range(batches)]
     torch.manual_seed(seed)
     task = build_task(cfg.model, **task_settings(cfg)).train()
-    items = nn.Embedding(source.num_items + 1, cfg.model.embedding_dim)
-    users = nn.Embedding(cfg.model.user_hash_size, cfg.model.embedding_dim) if cfg.model.user_features else None
+    # Sparse gradients: the tables' own update is the sparse part's work, not the dense step's.
+    items = nn.Embedding(source.num_items + 1, cfg.model.embedding_dim, sparse=True)
+    users = (nn.Embedding(cfg.model.user_hash_size, cfg.model.embedding_dim, sparse=True) if cfg.model.user_features
+             else None)
 
     def step(batch: Batch) -> None:
         torch.manual_seed(seed)  # the same dropout masks every pass

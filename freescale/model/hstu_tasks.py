@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from freescale.device import to_device
+from freescale.model.dropout import Dropout
 from freescale.model.hstu import HSTUEncoder, HSTULayout
 from freescale.model.jagged_attention import offsets_of
 from freescale.model.output import StepOutput
@@ -71,7 +72,7 @@ class _HSTUTask(nn.Module):
         # event (stable under truncation), clamped to the table.
         self.positions = nn.Embedding(max_len + 1, dim)
         nn.init.normal_(self.positions.weight, std=0.02)
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = Dropout(cfg.dropout)
         self.encoder = HSTUEncoder(num_layers=cfg.num_layers, dim=dim, num_heads=heads,
                                    attention_dim=cfg.attention_dim or dim // heads,
                                    linear_dim=cfg.linear_dim or dim // heads, max_len=max_len,
@@ -215,6 +216,8 @@ class HSTURetrievalTask(_HSTUTask):
         # positions' targets, the padded negatives, the samples' next items.
         wanted = torch.cat([target, at.reshape(-1), first[:in_batch]])
         pos_rows, neg_rows, nxt = items.index_select(0, to_device(wanted, device)).split([T, B * width, in_batch])
+        # The temperature scales the [T, D] queries, not the [T, columns] logits.
+        queries = queries / tau
         columns = [(queries * pos_rows).sum(-1, keepdim=True)]
         masks = [torch.zeros((T, 1), dtype=torch.bool)]
         if width:
@@ -233,8 +236,8 @@ class HSTURetrievalTask(_HSTUTask):
         if in_batch:
             columns.append(queries @ nxt.T)
             masks.append(item_ids[first][None, :] == target_ids[:, None])
-        # The columns' fresh concatenation is scaled and masked in place (no [T, columns] copies).
-        logits = torch.cat(columns, dim=1).div_(tau)
+        # The columns' fresh concatenation is masked in place (no [T, columns] copy).
+        logits = torch.cat(columns, dim=1)
         logits.masked_fill_(to_device(torch.cat(masks, dim=1), device), float("-inf"))
         return F.cross_entropy(logits, logits.new_zeros(T, dtype=torch.long))
 
