@@ -28,8 +28,9 @@ time at which the prediction made at ``i`` is used. Where this differs from the 
   research model's norms have none), with the reference's ``eps = 1e-6``.
 
 Padding is never seen: ``N`` is the configured ``max_len``, never a group's padded length,
-and padded keys are cut by the mask (``where``, so garbage in a padded slot cannot leak, not
-even as ``0 * inf``).
+and padded keys are cut by the mask, applied with the ``1/N`` as one multiply by a weight that
+is 0 there. A padded slot holds a copy of its own sample's first token, so what it multiplies
+is a value of the sample itself, never another sample's nor uninitialized memory.
 
 **Cost follows each sample's own length, and a sample never depends on its batch-mates.**
 The balancer moves samples between ranks, so a sample's rows must come out the same, bitwise,
@@ -92,7 +93,7 @@ def time_bucket(diff: torch.Tensor) -> torch.Tensor:
 class HSTUGroup:
     """One padded group: ``g`` samples of padded length ``P``."""
 
-    index: torch.Tensor  # [g, P] packed token index of each slot (0 where padded)
+    index: torch.Tensor  # [g, P] packed token index of each slot (the sample's first token where padded)
     real: torch.Tensor  # positions of the real tokens in the flattened [g * P]
     mask: torch.Tensor  # [g, P, P] bool: query i may attend to key j
     positions: torch.Tensor  # [g, P, P] int64: j's position - i's position + N - 1
@@ -196,7 +197,9 @@ def _group_on_host(offsets: torch.Tensor, lengths: torch.Tensor, targets: torch.
     history = (lengths - targets)[:, None]
     real = slot < lengths[:, None]
     is_history = slot < history
-    index = torch.where(real, offsets[:, None] + slot, 0)
+    # A padded slot holds a copy of its own sample's first token: whatever that token's values, they
+    # reach no other sample (and the mask's zero weight keeps them out of its own rows).
+    index = torch.where(real, offsets[:, None] + slot, offsets[:, None])
     # Candidates all sit at the history's end; padded slots at 0 (masked, but in the table's range).
     position = torch.where(is_history, slot, history) * real
     key_time = torch.where(real, timestamps[index], 0)
@@ -285,8 +288,8 @@ class _GroupAttention(torch.autograd.Function):
     would keep and walk a ``[g, h, P, P]`` tensor per elementwise op (the bias add, SiLU, the
     division, the mask); here the backward is two passes over the scores (the mask and ``1/N``
     as one multiply, then SiLU's derivative). ``weight`` is ``1/N`` where the mask allows and 0
-    elsewhere, so a padded slot adds an exact zero (its rows hold a real token's finite values,
-    never uninitialized memory).
+    elsewhere, so a padded slot adds an exact zero (its rows hold a copy of its own sample's first
+    token, never uninitialized memory).
     """
 
     @staticmethod
