@@ -55,6 +55,24 @@ s, 7.6-11x; the same with fbgemm's ``jagged_to_padded_dense`` 8.9-17.5 s, 7.4-11
 workers (groups 14.4 s, ratios 0.3-2.1x there). Every variant agrees with the unpadded
 per-sample result within 5e-7 (outputs) and 3e-6 (input gradients). fbgemm_gpu_cpu has no HSTU
 attention op (fbgemm's HSTU kernels are a separate CUDA-only target).
+
+**Speed on CPU** (``scripts/bench_hstu_step.py --repeats 3 --batches 3 --iters 3 --threads 1
+--baseline 2e1da4a``: the task's dense forward+backward on the first 3 train batches of
+``configs/hstu_ml100k.yaml`` (retrieval, 128 samples, about 5000 tokens) and
+``configs/hstu_ranking.yaml`` (ranking, 64 samples, histories up to 512), each batch's best of
+3 passes, the code before this work timed in the same run, rounds alternated; 1 thread, 2
+shared cores): retrieval 122-139 ms/step before, 105-131 ms after (0.93-1.33x, MFU 17-20% ->
+18-23%), ranking 82-89 ms before, 53-61 ms after (1.35-1.67x, MFU 9-10% -> 13-15%). With
+torch's 2 threads, in the two rounds other workers left undisturbed: retrieval 93-113 -> 66-78
+ms (1.20-1.71x), ranking 68-88 -> 42-52 ms (1.31-2.07x). What it took, largest first: the
+host layout's ``[g, P, P]`` tensors in a few in-place passes (ranking's layout 190-270 ms ->
+26-45 ms, most of its step under load); the attention of a group as one autograd function
+(``_GroupAttention``, two passes over the scores in the backward) fed by one gather and read
+back by one scatter for all groups; the bias as one gather per layer from a (position, bucket)
+table; dropout's mask from a third of the generator calls (``freescale.model.dropout``); the
+retrieval loss's item rows in one gather. What is left is mostly the products themselves
+(``mm``/``bmm``), the head-major copies around them, and, for retrieval, the L2 norms of the
+item rows and the ``[T, 257]`` logits.
 """
 
 from __future__ import annotations
