@@ -50,6 +50,29 @@ def _owner(lengths: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(len(lengths)), lengths)
 
 
+class _L2Normalize(torch.autograd.Function):
+    """``F.normalize(x, dim=-1)``, the same forward bits, with a backward of two passes
+    (``(g - y * sum(g * y)) / norm``) where autograd's walks the norm, the clamp and the division
+    apart: retrieval normalizes every history and candidate row of a batch (about 21000 on
+    MovieLens-100K), and that backward was several of the step's milliseconds."""
+
+    EPS = 1e-12
+
+    @staticmethod
+    def forward(ctx, x):
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        denominator = norm.clamp(min=_L2Normalize.EPS)
+        y = x / denominator
+        ctx.save_for_backward(y, norm, denominator)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, norm, denominator = ctx.saved_tensors
+        along = (grad * y).sum(-1, keepdim=True).masked_fill_(norm < _L2Normalize.EPS, 0.0)  # clamped: no norm term
+        return torch.addcmul(grad, y, along, value=-1.0).div_(denominator)
+
+
 def _mlp(widths: list[int], out: int) -> nn.Sequential:
     layers: list[nn.Module] = []
     for a, b in zip(widths, widths[1:]):
@@ -159,12 +182,12 @@ class HSTURetrievalTask(_HSTUTask):
 
     def item_vectors(self, rows: torch.Tensor) -> torch.Tensor:
         """The item tower: an item's row, L2-normalized (what serving ranks against)."""
-        return F.normalize(rows, dim=-1)
+        return _L2Normalize.apply(rows)
 
     def queries_of(self, out: torch.Tensor) -> torch.Tensor:
         """The user tower's last step: an encoded position (normalized by the encoder's last
         LayerNorm), back to the rows' width, L2-normalized."""
-        return F.normalize(self.unproject(out) if self.unproject is not None else out, dim=-1)
+        return _L2Normalize.apply(self.unproject(out) if self.unproject is not None else out)
 
     def forward(self, uih, cand, user_rows, item_ids, uih_lengths, cand_counts, uih_timestamps, cand_timestamps,
                 labels, sample_ids, batch_index, loss_scale):
