@@ -61,18 +61,18 @@ attention op (fbgemm's HSTU kernels are a separate CUDA-only target).
 ``configs/hstu_ml100k.yaml`` (retrieval, 128 samples, about 5000 tokens) and
 ``configs/hstu_ranking.yaml`` (ranking, 64 samples, histories up to 512), each batch's best of
 3 passes, the code before this work timed in the same run, rounds alternated; 1 thread, 2
-shared cores): retrieval 122-139 ms/step before, 105-131 ms after (0.93-1.33x, MFU 17-20% ->
-18-23%), ranking 82-89 ms before, 53-61 ms after (1.35-1.67x, MFU 9-10% -> 13-15%). With
-torch's 2 threads, in the two rounds other workers left undisturbed: retrieval 93-113 -> 66-78
-ms (1.20-1.71x), ranking 68-88 -> 42-52 ms (1.31-2.07x). What it took, largest first: the
-host layout's ``[g, P, P]`` tensors in a few in-place passes (ranking's layout 190-270 ms ->
-26-45 ms, most of its step under load); the attention of a group as one autograd function
-(``_GroupAttention``, two passes over the scores in the backward) fed by one gather and read
-back by one scatter for all groups; the bias as one gather per layer from a (position, bucket)
-table; dropout's mask from a third of the generator calls (``freescale.model.dropout``); the
-retrieval loss's item rows in one gather. What is left is mostly the products themselves
-(``mm``/``bmm``), the head-major copies around them, and, for retrieval, the L2 norms of the
-item rows and the ``[T, 257]`` logits.
+shared cores): retrieval 117-130 ms/step before, 90-98 ms after (1.25-1.38x, MFU 18-20% ->
+24-27%), ranking 80-83 ms before, 53-56 ms after (1.43-1.58x, MFU 10% -> 14-15%). With torch's
+2 threads, which the other workers' load slowed below 1 thread in that run
+(``docs/results/bench_hstu_step_threads2.json``): retrieval 288-379 -> 209-246 ms (1.34-1.55x),
+ranking 190-235 -> 143-215 ms (1.02-1.50x). What it took, largest first: the host layout's ``[g, P, P]`` tensors in a few
+in-place passes (ranking's layout 190-380 ms -> 26-45 ms under load, 1 thread); the attention
+of a group as one autograd function (``_GroupAttention``, two passes over the scores in the
+backward) fed by one gather and read back by one scatter for all groups; the bias as one gather
+per layer from a (position, bucket) table; dropout's mask from a third of the generator calls
+(``freescale.model.dropout``); in retrieval, the item rows in one gather and the L2
+normalization's backward in two passes. What is left is mostly the products themselves
+(``mm``/``bmm``), the head-major copies around them, and retrieval's ``[T, 257]`` logits.
 """
 
 from __future__ import annotations
