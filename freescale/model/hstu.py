@@ -28,8 +28,9 @@ time at which the prediction made at ``i`` is used. Where this differs from the 
   research model's norms have none), with the reference's ``eps = 1e-6``.
 
 Padding is never seen: ``N`` is the configured ``max_len``, never a group's padded length,
-and padded keys are cut by the mask (``where``, so garbage in a padded slot cannot leak, not
-even as ``0 * inf``).
+and padded keys are cut by the mask, applied with the ``1/N`` as one multiply by a weight that
+is 0 there. A padded slot holds a copy of its own sample's first token, so what it multiplies
+is a value of the sample itself, never another sample's nor uninitialized memory.
 
 **Cost follows each sample's own length, and a sample never depends on its batch-mates.**
 The balancer moves samples between ranks, so a sample's rows must come out the same, bitwise,
@@ -54,6 +55,24 @@ s, 7.6-11x; the same with fbgemm's ``jagged_to_padded_dense`` 8.9-17.5 s, 7.4-11
 workers (groups 14.4 s, ratios 0.3-2.1x there). Every variant agrees with the unpadded
 per-sample result within 5e-7 (outputs) and 3e-6 (input gradients). fbgemm_gpu_cpu has no HSTU
 attention op (fbgemm's HSTU kernels are a separate CUDA-only target).
+
+**Speed on CPU** (``scripts/bench_hstu_step.py --repeats 3 --batches 3 --iters 3 --threads 1
+--baseline 2e1da4a``: the task's dense forward+backward on the first 3 train batches of
+``configs/hstu_ml100k.yaml`` (retrieval, 128 samples, about 5000 tokens) and
+``configs/hstu_ranking.yaml`` (ranking, 64 samples, histories up to 512), each batch's best of
+3 passes, the code before this work timed in the same run, rounds alternated; 1 thread, 2
+shared cores): retrieval 117-130 ms/step before, 90-98 ms after (1.25-1.38x, MFU 18-20% ->
+24-27%), ranking 80-83 ms before, 53-56 ms after (1.43-1.58x, MFU 10% -> 14-15%). With torch's
+2 threads, which the other workers' load slowed below 1 thread in that run
+(``docs/results/bench_hstu_step_threads2.json``): retrieval 288-379 -> 209-246 ms (1.34-1.55x),
+ranking 190-235 -> 143-215 ms (1.02-1.50x). What it took, largest first: the host layout's ``[g, P, P]`` tensors in a few
+in-place passes (ranking's layout 190-380 ms -> 26-45 ms under load, 1 thread); the attention
+of a group as one autograd function (``_GroupAttention``, two passes over the scores in the
+backward) fed by one gather and read back by one scatter for all groups; the bias as one gather
+per layer from a (position, bucket) table; dropout's mask from a third of the generator calls
+(``freescale.model.dropout``); in retrieval, the item rows in one gather and the L2
+normalization's backward in two passes. What is left is mostly the products themselves
+(``mm``/``bmm``), the head-major copies around them, and retrieval's ``[T, 257]`` logits.
 """
 
 from __future__ import annotations
@@ -84,18 +103,20 @@ def bucket_ladder(max_len: int, max_padding: float) -> list[int]:
 
 def time_bucket(diff: torch.Tensor) -> torch.Tensor:
     """``floor(log(max(|diff|, 1)) / 0.301)``, unclamped, in float32 as the reference computes it."""
-    return (torch.log(diff.abs().clamp(min=1).to(torch.float32)) / LOG_BUCKET_BASE).long()
+    seconds = diff.abs().clamp_(min=1).to(torch.float32)
+    return seconds.log_().div_(LOG_BUCKET_BASE).long()
 
 
 @dataclass
 class HSTUGroup:
     """One padded group: ``g`` samples of padded length ``P``."""
 
-    index: torch.Tensor  # [g, P] packed token index of each slot (0 where padded)
+    index: torch.Tensor  # [g, P] packed token index of each slot (the sample's first token where padded)
     real: torch.Tensor  # positions of the real tokens in the flattened [g * P]
     mask: torch.Tensor  # [g, P, P] bool: query i may attend to key j
     positions: torch.Tensor  # [g, P, P] int64: j's position - i's position + N - 1
     time_buckets: torch.Tensor  # [g, P, P] int64: bucket(|t_query(i) - t_j|), unclamped
+    weight: torch.Tensor  # [g, 1, P, P] float32: 1 / N where the mask allows, 0 elsewhere
 
 
 def _host(tensor: torch.Tensor, name: str) -> torch.Tensor:
@@ -140,22 +161,28 @@ class HSTULayout:
         offsets = torch.zeros(len(self.lengths) + 1, dtype=torch.long)
         torch.cumsum(lengths, 0, out=offsets[1:])
         self.groups: list[HSTUGroup] = []
-        order = []
+        order, rows, gather, start = [], [], [], 0
         for padded, members in self.grouping(self.lengths, max_len, max_padding):
             samples = torch.tensor(members, dtype=torch.long)
             group = _group_on_host(offsets[samples], lengths[samples], targets[samples], timestamps, padded, max_len)
             order.append(group.index.reshape(-1)[group.real])
+            rows.append(group.real + start)
+            gather.append(group.index.reshape(-1))
+            start += group.index.numel()
             self.groups.append(HSTUGroup(*(to_device(t, device) for t in (
-                group.index, group.real, group.mask, group.positions, group.time_buckets))))
-        perm = torch.cat(order)
-        # Outputs come out group by group; this puts them back in packed (sample) order.
-        unpermute = torch.empty_like(perm)
-        unpermute[perm] = torch.arange(perm.numel())
-        self.unpermute = to_device(unpermute, device)
+                group.index, group.real, group.mask, group.positions, group.time_buckets, group.weight))))
+        # Every group's padded rows, concatenated: ``gather`` takes them from the packed tokens (one
+        # gather for all groups) and ``scatter`` puts each packed token's output row back.
+        self.sizes = [g.index.numel() for g in self.groups]
+        self.gather = to_device(torch.cat(gather), device)
+        scatter = torch.empty(int(lengths.sum()), dtype=torch.long)
+        scatter[torch.cat(order)] = torch.cat(rows)
+        self.scatter = to_device(scatter, device)
         self.dropout_keys: torch.Tensor | None = None
         """int64 [T] token keys of ``freescale.model.dropout`` on the device (set by the task);
         None: the layers' dropout draws from torch's generator."""
         self._clamped: dict[int, list[torch.Tensor]] = {}
+        self._bias_index: dict[int, torch.Tensor] = {}
 
     @staticmethod
     def grouping(lengths: list[int], max_len: int, max_padding: float) -> list[tuple[int, list[int]]]:
@@ -173,6 +200,17 @@ class HSTULayout:
             self._clamped[num_buckets] = [g.time_buckets.clamp(max=num_buckets) for g in self.groups]
         return self._clamped[num_buckets]
 
+    def bias_index(self, num_buckets: int) -> torch.Tensor:
+        """Every group's ``[g, P, P]`` entries of the bias, flattened and concatenated, as indices
+        into the table ``pos_w[:, None] + ts_w[None, :]`` of ``2N - 1`` rows and ``num_buckets + 1``
+        columns: ``position * (num_buckets + 1) + clamped bucket`` (on the device, once per batch;
+        each layer then reads its bias with one gather)."""
+        if num_buckets not in self._bias_index:
+            self._bias_index[num_buckets] = torch.cat([
+                g.time_buckets.clamp(max=num_buckets).add_(g.positions, alpha=num_buckets + 1).reshape(-1)
+                for g in self.groups])
+        return self._bias_index[num_buckets]
+
 
 def _group_on_host(offsets: torch.Tensor, lengths: torch.Tensor, targets: torch.Tensor, timestamps: torch.Tensor,
                    padded: int, max_len: int) -> HSTUGroup:
@@ -180,21 +218,31 @@ def _group_on_host(offsets: torch.Tensor, lengths: torch.Tensor, targets: torch.
     history = (lengths - targets)[:, None]
     real = slot < lengths[:, None]
     is_history = slot < history
-    index = torch.where(real, offsets[:, None] + slot, 0)
+    # A padded slot holds a copy of its own sample's first token: whatever that token's values, they
+    # reach no other sample (and the mask's zero weight keeps them out of its own rows).
+    index = torch.where(real, offsets[:, None] + slot, offsets[:, None])
     # Candidates all sit at the history's end; padded slots at 0 (masked, but in the table's range).
     position = torch.where(is_history, slot, history) * real
     key_time = torch.where(real, timestamps[index], 0)
     # The next history token's time; the last history token and every candidate use their own.
     query_time = torch.where(slot + 1 < history, timestamps[torch.where(slot + 1 < history, index + 1, 0)], key_time)
-    diagonal = torch.eye(padded, dtype=torch.bool)[None]
-    causal = is_history[:, None, :] & (position[:, None, :] <= position[:, :, None])
-    mask = real[:, :, None] & real[:, None, :] & (causal | diagonal)
+    # The [g, P, P] tensors are the layout's cost (P up to max_len): each is made in as few
+    # passes as it takes, in place where it can be.
+    mask = position[:, None, :] <= position[:, :, None]
+    mask &= is_history[:, None, :]
+    mask |= torch.eye(padded, dtype=torch.bool)
+    mask &= real[:, :, None]
+    mask &= real[:, None, :]
+    positions = position[:, None, :] - position[:, :, None]
+    positions += max_len - 1
+    weight = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(mask, 1.0 / max_len)
     return HSTUGroup(
         index=index,
         real=real.reshape(-1).nonzero().squeeze(1),
         mask=mask,
-        positions=position[:, None, :] - position[:, :, None] + max_len - 1,
+        positions=positions,
         time_buckets=time_bucket(query_time[:, :, None] - key_time[:, None, :]),
+        weight=weight[:, None],
     )
 
 
@@ -208,9 +256,12 @@ class RelativeBias(nn.Module):
         self.time_weight = nn.Parameter(torch.empty(num_time_buckets + 1).normal_(std=0.02))
 
     def forward(self, layout: HSTULayout) -> list[torch.Tensor]:
-        """One ``[g, P, P]`` bias per group."""
-        return [self.position_weight[g.positions] + self.time_weight[buckets]
-                for g, buckets in zip(layout.groups, layout.time_buckets(self.num_time_buckets))]
+        """One ``[g, P, P]`` bias per group: one gather from the table of every (position, bucket)
+        sum (the same float additions, once per table entry instead of once per pair)."""
+        table = (self.position_weight[:, None] + self.time_weight[None, :]).reshape(-1)
+        biases = table.index_select(0, layout.bias_index(self.num_time_buckets))
+        return [b.view(g.positions.shape) for g, b in zip(layout.groups, biases.split(
+            [g.positions.numel() for g in layout.groups]))]
 
 
 class HSTULayer(nn.Module):
@@ -240,17 +291,45 @@ class HSTULayer(nn.Module):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: HSTULayout) -> torch.Tensor:
         """``SiLU(QK^T + rab) / N`` masked, times ``V``: one batched matmul pair per group."""
         h, dv, dqk = self.num_heads, self.linear_dim, self.attention_dim
+        qs, ks, vs = (t.index_select(0, layout.gather).split(layout.sizes) for t in (q, k, v))
         outputs = []
-        for group, rab in zip(layout.groups, self.bias(layout)):
+        for group, rab, qg, kg, vg in zip(layout.groups, self.bias(layout), qs, ks, vs):
             g, padded = group.index.shape
-            qh = q[group.index].view(g, padded, h, dqk).transpose(1, 2)
-            kh = k[group.index].view(g, padded, h, dqk).transpose(1, 2)
-            vh = v[group.index].view(g, padded, h, dv).transpose(1, 2)
-            scores = F.silu(qh @ kh.transpose(-1, -2) + rab[:, None]) / self.max_len
-            weights = torch.where(group.mask[:, None], scores, 0.0)
-            out = (weights @ vh).transpose(1, 2).reshape(g * padded, h * dv)
-            outputs.append(out.index_select(0, group.real))
-        return torch.cat(outputs)[layout.unpermute]
+            out = _GroupAttention.apply(qg.view(g, padded, h, dqk).transpose(1, 2),
+                                        kg.view(g, padded, h, dqk).transpose(1, 2),
+                                        vg.view(g, padded, h, dv).transpose(1, 2), rab, group.weight)
+            outputs.append(out.transpose(1, 2).reshape(g * padded, h * dv))
+        return torch.cat(outputs).index_select(0, layout.scatter)
+
+
+class _GroupAttention(torch.autograd.Function):
+    """One group's ``(SiLU(Q K^T + rab) * weight) V``.
+
+    The same arithmetic as the composed ops, with a backward written for it: autograd's
+    would keep and walk a ``[g, h, P, P]`` tensor per elementwise op (the bias add, SiLU, the
+    division, the mask); here the backward is two passes over the scores (the mask and ``1/N``
+    as one multiply, then SiLU's derivative). ``weight`` is ``1/N`` where the mask allows and 0
+    elsewhere, so a padded slot adds an exact zero (its rows hold a copy of its own sample's first
+    token, never uninitialized memory).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, rab, weight):
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores += rab[:, None]
+        attention = F.silu(scores).mul_(weight)
+        ctx.save_for_backward(q, k, v, scores, attention, weight)
+        return torch.matmul(attention, v)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, scores, attention, weight = ctx.saved_tensors
+        grad_v = torch.matmul(attention.transpose(-1, -2), grad_out)
+        grad_scores = torch.matmul(grad_out, v.transpose(-1, -2)).mul_(weight)
+        grad_scores = torch.ops.aten.silu_backward(grad_scores, scores)
+        grad_q = torch.matmul(grad_scores, k)
+        grad_k = torch.matmul(grad_scores.transpose(-1, -2), q)
+        return grad_q, grad_k, grad_v, grad_scores.sum(1), None
 
 
 class HSTUEncoder(nn.Module):

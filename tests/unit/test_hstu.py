@@ -207,3 +207,17 @@ def test_out_of_range_shapes_are_refused():
         HSTULayout(torch.tensor([9]), torch.tensor([0]), torch.arange(9), max_len=8, max_padding=1.25)
     with pytest.raises(ValueError, match="targets"):
         HSTULayout(torch.tensor([3]), torch.tensor([3]), torch.arange(3), max_len=8, max_padding=1.25)
+
+
+def test_gradients_equal_the_per_sample_formula():
+    enc = make_encoder()
+    x, lengths, targets, ts = make_batch(*BATCH, seed=8)
+    layout = HSTULayout(lengths, targets, ts, MAX_LEN, 1.25)
+    grads = []
+    for run in (lambda xs: enc(xs, layout), lambda xs: reference_encoder(enc, xs, lengths, targets, ts)):
+        enc.zero_grad()
+        xs = x.clone().requires_grad_()
+        run(xs).square().sum().backward()
+        grads.append([xs.grad] + [p.grad.clone() for p in enc.parameters()])
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
