@@ -69,10 +69,11 @@ ranking 190-235 -> 143-215 ms (1.02-1.50x). What it took, largest first: the hos
 in-place passes (ranking's layout 190-380 ms -> 26-45 ms under load, 1 thread); the attention
 of a group as one autograd function (``_GroupAttention``, two passes over the scores in the
 backward) fed by one gather and read back by one scatter for all groups; the bias as one gather
-per layer from a (position, bucket) table; dropout's mask from a third of the generator calls
-(``freescale.model.dropout``); in retrieval, the item rows in one gather and the L2
+per layer from a (position, bucket) table; in retrieval, the item rows in one gather and the L2
 normalization's backward in two passes. What is left is mostly the products themselves
 (``mm``/``bmm``), the head-major copies around them, and retrieval's ``[T, 257]`` logits.
+(Those figures drew dropout masks from torch's generator; dropout is keyed now,
+``freescale.model.dropout``: its masks are hashes, a few integer operations per element.)
 """
 
 from __future__ import annotations
