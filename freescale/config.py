@@ -187,7 +187,9 @@ class TaskConfig:
     eval_ks: list[int] = field(default_factory=lambda: [10, 50, 200])
     """retrieval: cut-offs K of the held-out HR@K and NDCG@K."""
     exclude_history: bool = True
-    """retrieval evaluation: items already in the user's history are left out of the ranking (as RecBole's full ranking does)."""
+    """retrieval evaluation: items already in the user's history are left out of the ranking (the common full-ranking protocol; scripts/bench_quality.py applies it to RecBole's SASRec too)."""
+    window_stride: Annotated[int, NonNegative] = 0
+    """retrieval from a ratings log: training windows of a user's timeline end this many events apart (0 = data.max_uih_len: no event a target twice); smaller strides give the later events of a window long histories more often, at the cost of more tokens per epoch."""
 
 
 @dataclass

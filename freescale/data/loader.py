@@ -44,7 +44,8 @@ def build_sources(cfg: DataConfig, seed: int, task: TaskConfig | None = None) ->
     log = read_ratings(ensure_ml100k(cfg.ratings.cache) if cfg.source == "ml100k" else cfg.ratings.path)
     return tuple(
         RatingsSource(log, split=s, positive_rating=cfg.ratings.positive_rating, more_labels=tuple(cfg.ratings.more_labels),
-                      holdout_fraction=cfg.ratings.holdout_fraction, seed=seed, **common)
+                      holdout_fraction=cfg.ratings.holdout_fraction, seed=seed, window_stride=task.window_stride,
+                      **common)
         for s in ("train", "eval")
     )
 

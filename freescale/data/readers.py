@@ -102,7 +102,7 @@ class RatingsSource:
 
     def __init__(self, log: RatingsLog, *, split: str, min_uih_len: int, max_uih_len: int, num_candidates: int,
                  positive_rating: float, holdout_fraction: float, more_labels: tuple[float, ...] = (),
-                 task: str = "ranking", num_negatives: int = 0, seed: int = 0) -> None:
+                 task: str = "ranking", num_negatives: int = 0, seed: int = 0, window_stride: int = 0) -> None:
         if split not in ("train", "eval"):
             raise ValueError(f"unknown split {split!r}; expected train or eval")
         if task not in ("ranking", "retrieval"):
@@ -122,7 +122,8 @@ class RatingsSource:
         user_count = np.bincount(users, minlength=log.num_users)
 
         if task == "retrieval":
-            owner, pos, cand_count, uih_len = _leave_one_out(user_count, split, min_uih_len, max_uih_len)
+            stride = window_stride or max_uih_len
+            owner, pos, cand_count, uih_len = _leave_one_out(user_count, split, min_uih_len, max_uih_len, stride)
         else:
             owner, pos, cand_count, uih_len = _candidate_groups(user_count, min_uih_len, max_uih_len, num_candidates)
         cand_start = user_start[owner] + pos
@@ -131,7 +132,8 @@ class RatingsSource:
         by_time = np.lexsort((pos, owner, self._times[cand_start]))
         if task == "retrieval":
             chosen = by_time
-            id_base = 0 if split == "train" else len(_leave_one_out(user_count, "train", min_uih_len, max_uih_len)[0])
+            id_base = 0 if split == "train" else len(_leave_one_out(user_count, "train", min_uih_len, max_uih_len,
+                                                                    stride)[0])
         else:  # the holdout split at the latest fraction
             n_eval = int(round(len(by_time) * holdout_fraction))
             n_train = len(by_time) - n_eval
@@ -187,8 +189,9 @@ def _candidate_groups(user_count: np.ndarray, min_uih_len: int, max_uih_len: int
     return owner, pos, np.minimum(num_candidates, user_count[owner] - pos), np.minimum(pos, max_uih_len)
 
 
-def _leave_one_out(user_count: np.ndarray, split: str, min_uih_len: int, max_uih_len: int):
-    """Retrieval samples, in the same form as ``_candidate_groups`` (one candidate each)."""
+def _leave_one_out(user_count: np.ndarray, split: str, min_uih_len: int, max_uih_len: int, stride: int):
+    """Retrieval samples, in the same form as ``_candidate_groups`` (one candidate each); training
+    windows end ``stride`` events apart (``max_uih_len``: each event a target once)."""
     users = np.arange(len(user_count))
     if split == "eval":
         owner = users[user_count >= 2]
@@ -198,10 +201,10 @@ def _leave_one_out(user_count: np.ndarray, split: str, min_uih_len: int, max_uih
     # event is the previous window's candidate); window k from the end has its candidate at
     # ``count - 2 - k * max_uih_len``, and a window needs min_uih_len events before it.
     last = user_count - 2
-    windows = np.where(last >= min_uih_len, (last - min_uih_len) // max_uih_len + 1, 0)
+    windows = np.where(last >= min_uih_len, (last - min_uih_len) // stride + 1, 0)
     owner = np.repeat(users, windows)
     k = np.arange(len(owner)) - np.repeat(np.cumsum(windows) - windows, windows)
-    pos = last[owner] - k * max_uih_len
+    pos = last[owner] - k * stride
     return owner, pos, np.ones(len(owner), dtype=np.int64), np.minimum(pos, max_uih_len)
 
 

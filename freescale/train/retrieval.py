@@ -4,8 +4,8 @@ Each held-out sample is one user: the history is everything before the user's la
 target that last item (the sample's first candidate). The model's query for the user (its last
 position's output) is scored against every item of the table, and the target's rank is the
 number of items that score strictly higher (ties count in the target's favour), leaving out,
-with ``task.exclude_history``, the items already in the user's history (as RecBole's full
-ranking does) and always the target itself. From the ranks: HR@K (the share of targets ranked
+with ``task.exclude_history``, the items already in the user's history and always the target
+itself. From the ranks: HR@K (the share of targets ranked
 in the top K), NDCG@K (``1 / log2(rank + 2)`` inside the top K, else 0; one relevant item, so
 the ideal DCG is 1), MRR (the mean of ``1 / (rank + 1)``) and MRR@10 (0 past the top 10).
 

@@ -118,11 +118,11 @@ LOO_EVENTS = (
 )
 
 
-def loo_sources(tmp_path, min_uih_len=1, max_uih_len=2, negatives=4, seed=0):
+def loo_sources(tmp_path, min_uih_len=1, max_uih_len=2, negatives=4, seed=0, stride=0):
     shuffled = [LOO_EVENTS[i] for i in np.random.default_rng(2).permutation(len(LOO_EVENTS))]
     log = read_ratings(str(write_csv(tmp_path / "loo.csv", events=shuffled)))
     kw = dict(min_uih_len=min_uih_len, max_uih_len=max_uih_len, num_candidates=3, positive_rating=4,
-              holdout_fraction=0.5, task="retrieval", num_negatives=negatives, seed=seed)
+              holdout_fraction=0.5, task="retrieval", num_negatives=negatives, seed=seed, window_stride=stride)
     train, held = (RatingsSource(log, split=s, **kw) for s in ("train", "eval"))
     return log, train, held, train.samples_at(np.arange(train.num_samples)), held.samples_at(np.arange(held.num_samples))
 
@@ -187,6 +187,11 @@ def test_retrieval_train_windows_target_every_event_once(tmp_path):
                           (3, [(1060, [1020, 1030, 1040, 1050])])):
         _, _, _, w, _ = loo_sources(tmp_path, min_uih_len=min_len, max_uih_len=4)
         assert list(zip(w.cand_timestamps[::5].tolist(), per_sample(w.uih_timestamps, w.uih_lengths))) == want
+    # task.window_stride 2: windows end 2 events apart (targets repeat), each as long as max_uih_len allows.
+    _, _, _, w, _ = loo_sources(tmp_path, min_uih_len=2, max_uih_len=4, stride=2)
+    u1 = [x for x in list(zip(w.cand_timestamps[::5].tolist(), per_sample(w.uih_timestamps, w.uih_lengths)))
+          if x[0] in (1020, 1040, 1060)]
+    assert u1 == [(1020, [1000, 1010]), (1040, [1000, 1010, 1020, 1030]), (1060, [1020, 1030, 1040, 1050])]
 
 
 def test_retrieval_negatives_are_deterministic_and_in_the_table(tmp_path):
