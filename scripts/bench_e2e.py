@@ -76,24 +76,21 @@ def _flatten(section: dict, prefix: str) -> list[str]:
     return out
 
 
-def data_overrides(source: str) -> list[str]:
-    """What each experiment's config is run with on ``source``."""
-    if source == "synthetic":
-        return []
-    if source == "ml100k":
-        with open(ML100K) as f:
-            return _flatten(yaml.safe_load(f)["data"], "data")
-    raise SystemExit(f"--data: unknown source '{source}' (expected synthetic or ml100k)")
+SECTIONS = {"data": {"synthetic": None, "ml100k": ML100K}, "models": {"transformer": None, "hstu": HSTU}}
+"""Per option, its choices and the config whose section (``data``, ``model``) each takes (None:
+the experiments' own)."""
 
 
-def model_overrides(model: str) -> list[str]:
-    """What each experiment's config is run with for ``model``."""
-    if model == "transformer":
+def section_overrides(option: str, choice: str) -> list[str]:
+    """What each experiment's config is run with for ``--<option> <choice>``."""
+    choices = SECTIONS[option]
+    if choice not in choices:
+        raise SystemExit(f"--{option}: unknown choice '{choice}' (expected {' or '.join(choices)})")
+    if choices[choice] is None:
         return []
-    if model == "hstu":
-        with open(HSTU) as f:
-            return _flatten(yaml.safe_load(f)["model"], "model")
-    raise SystemExit(f"--models: unknown model '{model}' (expected transformer or hstu)")
+    section = "data" if option == "data" else "model"
+    with open(choices[choice]) as f:
+        return _flatten(yaml.safe_load(f)[section], section)
 
 
 LINK_GBIT = 3.0
@@ -242,14 +239,14 @@ def main() -> None:
     result = {"experiments": {e: os.path.relpath(p, REPO) for e, p in EXPERIMENTS.items()}, "steps": args.steps,
               "warmup_steps": args.warmup, "repeats": args.repeats, "overrides": args.set, "rows": []}
     report_dir = os.path.splitext(args.out)[0] + "_report"
-    models = {m: model_overrides(m) for m in args.models}
+    models = {m: section_overrides("models", m) for m in args.models}
     total = len(args.data) * len(models) * len(args.layouts) * args.repeats * len(EXPERIMENTS)
     done = 0
     progress = bar(total=total, desc="bench_e2e", unit="run")
     with tempfile.TemporaryDirectory() as tmp:
         first_pair = None
         for source, (model, model_args) in ((s, m) for s in args.data for m in models.items()):
-            overrides = [*data_overrides(source), *model_args]
+            overrides = [*section_overrides("data", source), *model_args]
             for layout in args.layouts:
                 runs = {e: [] for e in EXPERIMENTS}
                 for rep in range(args.repeats):
