@@ -1,7 +1,7 @@
 """Retrieval quality: FreeScale's HSTU against RecBole's SASRec on MovieLens-100K.
 
     .venv/bin/python scripts/bench_quality.py --seeds 0 1 2 [--out docs/results/bench_quality.json]
-        [--only sasrec|hstu] [--reuse-sasrec docs/results/bench_quality_sasrec.json] [--sasrec-epochs 5]
+        [--only sasrec|hstu] [--reuse-sasrec PATH] [--sasrec-epochs 8]
 
 Per seed: (a) RecBole 1.2.1's SASRec through ``scripts/recbole_sasrec.py``, run with the python
 of a separate virtual environment (``runs/cache/recbole-venv``, created once, pinned below;
@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default="docs/results/bench_quality.json", help="JSON results file")
     p.add_argument("--only", choices=MODELS, help="run one model only")
     p.add_argument("--reuse-sasrec", metavar="PATH", help="take SASRec's figures from an earlier JSON of this script")
-    p.add_argument("--sasrec-epochs", type=int, default=5, help="SASRec's training epochs (fixed; default 5)")
+    p.add_argument("--sasrec-epochs", type=int, default=8, help="SASRec's training epochs (fixed; default 8)")
     p.add_argument("--sasrec-split", choices=["valid_and_test", "test_only"], default="valid_and_test",
                    help="RecBole's leave-one-out mode for SASRec (see the protocol)")
     p.add_argument("--note", default="", help="free text kept in the JSON (how the runs were made, the machine's load)")
