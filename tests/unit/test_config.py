@@ -79,6 +79,10 @@ def test_numbers_in_exponent_form_without_a_dot_are_numbers():
         (["--faults=[{at_step: 3, kind: hold}]"], "faults[0].kind: hold holds a replica group at its vote"),
         (["--faults=3"], "faults: expected a list of sections (mappings of keys), got 3"),
         (["--faults.at_step=3"], "unknown config key 'faults.at_step' ('faults' is a list: set it whole"),
+        (["--task.kind=retrieval"], "task.kind: retrieval trains next-item prediction with model.kind hstu, got transformer"),
+        (["--model.kind=hstu", "--task.eval_ks=[10, 0]"], "task.eval_ks: expected cut-offs >= 1, got [10, 0]"),
+        (["--model.kind=rnn"], "model.kind: expected one of transformer, hstu; got 'rnn'"),
+        (["--data.synthetic.num_labels=3"], "data.synthetic.num_labels: expected a value in [1, 2], got 3"),
     ],
 )
 def test_errors_name_the_key_and_expectation(overrides, fragment):
