@@ -26,9 +26,10 @@ first) with ``uih_lengths``, ``cand_ids`` with ``cand_counts``, ``user_ids`` (al
 into the user table: ``id % manifest["user_hash_size"]``; ignored when the model has no user
 feature) and, for HSTU (``manifest["model"]["kind"] == "hstu"``), each history event's and each
 candidate's time in seconds (``uih_timestamps``, ``cand_timestamps``, int64, aligned with the
-ids): the program computes the relative time buckets from them. ``predict`` returns the
-candidates' logits [sum(cand_counts), K], one column per label (``manifest["labels"]``; K = 1
-is [N, 1]), in order. ``topk`` returns each user's ``k`` best item ids [B, k], best first,
+ids): the program computes the relative time buckets from them. A history longer than the
+trained one (``manifest["max_uih_len"]``) is cut to its latest events, as training cuts it.
+``predict`` returns the candidates' logits [sum(cand_counts), K], one column per label
+(``manifest["labels"]``; K = 1 is [N, 1]), in order. ``topk`` returns each user's ``k`` best item ids [B, k], best first,
 leaving out (``exclude_history``) the items already in the user's history as training's
 held-out evaluation does; a user without a history has a zero query (every item scores 0).
 """
@@ -67,6 +68,19 @@ def _padded(rows: torch.Tensor, lengths: torch.Tensor, width: int, samples: torc
     real = pos[None, :] < lengths[:, None]
     index = torch.where(real, offsets[:, None] + pos[None, :], torch.zeros_like(pos)[None, :])
     return rows[index] if rows.numel() else rows.new_zeros((lengths.numel(), width, *rows.shape[1:]))
+
+
+def latest(lengths: torch.Tensor, limit: int, *jagged: torch.Tensor | None):
+    """Each history cut to its last ``limit`` events, as training cuts them (``data.max_uih_len``):
+    ``(lengths, *jagged)`` with every jagged tensor (aligned with the histories) cut alike."""
+    lengths = lengths.long()
+    if not lengths.numel() or int(lengths.max()) <= limit:
+        return (lengths, *jagged)
+    kept = lengths.clamp(max=limit)
+    # A kept event: its index within the kept ones, past where its history's kept part starts.
+    within = torch.arange(int(kept.sum())) - torch.repeat_interleave(_offsets(kept)[:-1], kept)
+    index = torch.repeat_interleave(_offsets(lengths)[1:] - kept, kept) + within
+    return (kept, *(None if t is None else t[index] for t in jagged))
 
 
 def length_groups(lengths: list[int], max_padding: float) -> list[list[int]]:
@@ -114,6 +128,7 @@ class ExportedModel:
         self.max_padding = float(m["config"]["model"]["attention_padding"])
         self.kind, self.task = m["model"]["kind"], m["model"]["task"]
         self.labels = m["labels"]
+        self.max_uih_len = int(m["max_uih_len"])
         self.items = (torch.load(os.path.join(folder, ITEMS), weights_only=True) if self.task == "retrieval"
                       else None)
 
@@ -146,6 +161,7 @@ class ExportedModel:
         if self.task != "ranking":
             raise ValueError(f"predict scores candidates of a ranking export; this one is {self.task} (use topk)")
         self._needs_timestamps(uih_timestamps, cand_timestamps)
+        uih_lengths, uih_ids, uih_timestamps = latest(uih_lengths, self.max_uih_len, uih_ids, uih_timestamps)
         n = uih_lengths.numel()
         out = torch.zeros(int(cand_counts.sum()), len(self.labels))
         if n == 0:
@@ -177,7 +193,7 @@ class ExportedModel:
         if self.task != "retrieval":
             raise ValueError(f"queries and topk need a retrieval export; this one is {self.task} (use predict)")
         self._needs_timestamps(uih_timestamps)
-        uih_lengths = uih_lengths.long()
+        uih_lengths, uih_ids, uih_timestamps = latest(uih_lengths, self.max_uih_len, uih_ids, uih_timestamps)
         out = torch.zeros(uih_lengths.numel(), self.items.shape[1])
         if not uih_lengths.numel():
             return out

@@ -257,3 +257,35 @@ def _load_cfg(overrides):
     from helpers.launch import REPO
 
     return load_config(REPO / "configs" / "hstu_ranking.yaml", [*HSTU_OVERRIDES, *overrides])
+
+
+def _cut_by_hand(values, lengths, limit):
+    """Each history's last ``limit`` entries, one sample at a time."""
+    out, start = [], 0
+    for n in lengths.tolist():
+        out.append(values[start + max(0, n - limit):start + n])
+        start += n
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_an_export_cuts_a_longer_history_to_its_latest_events_as_training_does(tmp_path, task):
+    """Histories past the trained ``max_uih_len`` (64) are served as their last 64 events."""
+    model, served = _in_memory_export(tmp_path, RETRIEVAL if task == "retrieval" else [])
+    lengths = torch.tensor([70, 3, 130, 64, 65])
+    batch = _jagged_batch(lengths.tolist(), [2] * 5, labels=1 if task == "retrieval" else 2)
+    n = int(lengths.sum())
+    uih, stamps = batch.seq_features.values()[:n], batch.uih_timestamps
+    cut = lengths.clamp(max=64)
+    cut_uih, cut_stamps = _cut_by_hand(uih, lengths, 64), _cut_by_hand(stamps, lengths, 64)
+    assert len(cut_uih) == int(cut.sum()) and torch.equal(cut_uih[:64], uih[6:70])
+    if task == "retrieval":
+        got = served.queries(uih, lengths, stamps)
+        assert torch.equal(got, served.queries(cut_uih, cut, cut_stamps))
+        assert got.abs().sum() > 0
+    else:
+        cand = batch.seq_features.values()[n:]
+        args = dict(cand_ids=cand, cand_counts=batch.cand_counts, user_ids=batch.user_features.values(),
+                    cand_timestamps=batch.cand_timestamps)
+        got = served.predict(uih, lengths, uih_timestamps=stamps, **args)
+        assert torch.equal(got, served.predict(cut_uih, cut, uih_timestamps=cut_stamps, **args))
