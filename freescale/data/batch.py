@@ -28,7 +28,7 @@ from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.device import accelerated, to_device
 
 HOST_FIELDS = ("uih_lengths", "cand_counts", "sample_ids", "batch_index", "uih_timestamps", "cand_timestamps",
-               "item_ids", "stream_positions")
+               "item_ids", "stream_positions", "seen_items")
 """The fields that stay on the host when a batch moves to a device."""
 SPARSE_FIELDS = ("seq_features", "user_features")
 """The ids: the device's for TorchRec's tables; the pipelines over FreeScale's own tables route
@@ -124,6 +124,11 @@ class Batch(Pipelineable):
     device the features go to: the same tensor, no copy (retrieval compares ids on the host)."""
     stream_positions: torch.Tensor
     """int64 [n] on the host: ``Samples.stream_positions`` (the key of each sample's dropout)."""
+    seen_items: list[np.ndarray] | None = None
+    """Held-out retrieval batches of a source that knows users' whole timelines (a ratings log):
+    each sample's every item before its target, however long (its history is only the latest
+    ``data.max_uih_len``); what ``task.exclude_history`` leaves out of the ranking. None: the
+    history is all the source knows."""
 
     @staticmethod
     def from_samples(samples: Samples, batch_index: int, user_hash_size: int, loss_scale: float = 1.0) -> "Batch":

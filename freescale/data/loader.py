@@ -120,5 +120,8 @@ def eval_batches(source: SampleSource, *, num_samples: int, batch_size: int, ran
     batches = []
     for i, lo in enumerate(range(0, per_rank, batch_size)):
         pos = np.arange(start + lo, start + min(lo + batch_size, per_rank), dtype=np.int64)
-        batches.append(Batch.from_samples(source.samples_at(pos), i, user_hash_size))
+        batch = Batch.from_samples(source.samples_at(pos), i, user_hash_size)
+        if hasattr(source, "seen_items"):
+            batch.seen_items = source.seen_items(pos)
+        batches.append(batch)
     return batches

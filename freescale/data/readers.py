@@ -143,6 +143,7 @@ class RatingsSource:
             raise DataError(f"the ratings log yields no {task} {split} samples (min_uih_len={min_uih_len}, "
                             f"holdout_fraction={holdout_fraction})")
         self._user = owner[chosen]
+        self._user_start = user_start[owner[chosen]]
         self._cand_start = cand_start[chosen]
         self._cand_count = cand_count[chosen].astype(np.int64)
         self._uih_len = uih_len[chosen].astype(np.int64)
@@ -151,6 +152,12 @@ class RatingsSource:
     @property
     def num_samples(self) -> int:
         return len(self._ids)
+
+    def seen_items(self, positions: np.ndarray) -> list[np.ndarray]:
+        """Each sample's user's every item before the sample's first candidate (its history
+        holds only the latest ``max_uih_len`` of them): what held-out retrieval leaves out."""
+        p = np.asarray(positions, dtype=np.int64)
+        return [self._items[a:b] for a, b in zip(self._user_start[p].tolist(), self._cand_start[p].tolist())]
 
     def samples_at(self, positions: np.ndarray) -> Samples:
         """Samples at ``positions`` (0 .. num_samples-1) of this split, in the order given."""

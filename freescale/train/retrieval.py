@@ -1,13 +1,15 @@
 """Held-out evaluation of next-item retrieval: leave-one-out, ranked against the whole item table.
 
-Each held-out sample is one user: the history is everything before the user's last event, the
-target that last item (the sample's first candidate). The model's query for the user (its last
-position's output) is scored against every item of the table, and the target's rank is the
-number of items that score strictly higher (ties count in the target's favour), leaving out,
-with ``task.exclude_history``, the items already in the user's history and always the target
-itself. From the ranks: HR@K (the share of targets ranked
-in the top K), NDCG@K (``1 / log2(rank + 2)`` inside the top K, else 0; one relevant item, so
-the ideal DCG is 1), MRR (the mean of ``1 / (rank + 1)``) and MRR@10 (0 past the top 10).
+Each held-out sample is one user: the history is the latest ``data.max_uih_len`` events before
+the user's last one, the target that last item (the sample's first candidate). The model's query
+for the user (its last position's output) is scored against every item of the table, and the
+target's rank is the number of items that score strictly higher (ties count in the target's
+favour), leaving out, with ``task.exclude_history``, the items the user already interacted with
+(every one before the target where the source knows the whole timeline, as a ratings log does,
+not only those of the history) and always the target itself. From the ranks: HR@K (the share of
+targets ranked in the top K), NDCG@K (``1 / log2(rank + 2)`` inside the top K, else 0; one
+relevant item, so the ideal DCG is 1), MRR (the mean of ``1 / (rank + 1)``) and MRR@10 (0 past
+the top 10).
 
 The table is never gathered in one place. Each rank of the replica takes a contiguous share of
 the item ids and computes their item vectors through the same evaluation forward the held-out
@@ -75,14 +77,17 @@ def _share(vectors: list[torch.Tensor], lo: int, num_items: int, world_size: int
 
 
 def held_out_users(batch: Batch) -> tuple[torch.Tensor, np.ndarray, list[np.ndarray]]:
-    """(which samples have a history [B] bool, their targets (first candidates), their histories'
-    item ids) of a held-out batch: the users leave-one-out ranks (one without a history has no
-    query and is left out)."""
+    """(which samples have a history [B] bool, their targets (first candidates), the item ids
+    ``exclude_history`` leaves out for each: the user's whole timeline before the target where the
+    batch carries it (``Batch.seen_items``), else the history) of a held-out batch: the users
+    leave-one-out ranks (one without a history has no query and is left out)."""
     first = offsets_of(batch.cand_counts)[:-1]
     n_uih = int(batch.uih_lengths.sum())
     cand_ids = batch.seq_features.values()[n_uih:]
     uih_ids = batch.seq_features.values()[:n_uih].numpy()
     has = batch.uih_lengths > 0
+    if batch.seen_items is not None:  # the user's whole timeline before the target
+        return has, cand_ids[first][has].numpy(), [s for s, h in zip(batch.seen_items, has.tolist()) if h]
     bounds = offsets_of(batch.uih_lengths).numpy()
     histories = [uih_ids[a:b] for a, b, h in zip(bounds[:-1], bounds[1:], has.tolist()) if h]
     return has, cand_ids[first][has].numpy(), histories

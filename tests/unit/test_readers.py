@@ -156,6 +156,23 @@ def test_retrieval_eval_is_each_users_last_event(tmp_path):
     np.testing.assert_array_equal(e.sample_ids, train.num_samples + np.arange(held.num_samples))
 
 
+def test_retrieval_eval_leaves_out_the_whole_timeline_not_only_the_history(tmp_path):
+    """The held-out batches carry each user's every item before the target (u1: seven, of which its
+    history holds max_uih_len = 2): what ``exclude_history`` leaves out of the ranking."""
+    from freescale.data.loader import eval_batches
+    from freescale.train.retrieval import held_out_users
+
+    _, _, held, _, _ = loo_sources(tmp_path)
+    keys = sorted({i for _, i, _, _ in LOO_EVENTS})
+    items: dict = {}
+    for u, i, _, _ in sorted(LOO_EVENTS, key=lambda e: e[3]):
+        items.setdefault(u, []).append(keys.index(i))
+    want = sorted(line[:-1] for line in items.values() if len(line) >= 2)
+    batches = eval_batches(held, num_samples=100, batch_size=2, rank=0, world_size=1, user_hash_size=10)
+    got = sorted(h.tolist() for b in batches for h in held_out_users(b)[2])
+    assert got == want and max(map(len, got)) == 7
+
+
 def by_time_loo():
     keys = sorted({i for _, i, _, _ in LOO_EVENTS})
     return {t: keys.index(i) for _, i, _, t in LOO_EVENTS}
