@@ -189,7 +189,7 @@ class TaskConfig:
     exclude_history: bool = True
     """retrieval evaluation: items already in the user's history are left out of the ranking (the common full-ranking protocol; scripts/bench_quality.py applies it to RecBole's SASRec too)."""
     window_stride: Annotated[int, NonNegative] = 0
-    """retrieval from a ratings log: training windows of a user's timeline end this many events apart (0 = data.max_uih_len: no event a target twice); smaller strides give the later events of a window long histories more often, at the cost of more tokens per epoch."""
+    """retrieval from a ratings log: training windows of a user's timeline end this many events apart (0 = data.max_uih_len: windows do not overlap). With overlapping windows each window's loss covers only its last window_stride positions, the targets the window before did not reach, so every event is still a target once per epoch, now with at least max_uih_len - window_stride events of history (as a held-out query has the full max_uih_len), at the cost of more tokens per epoch."""
 
 
 @dataclass

@@ -15,6 +15,9 @@ up, the item ids and the batch's shape and timestamps on the host) and run the H
   a sampled softmax at ``task.temperature`` over the positive, the sample's sampled negatives
   (its other candidates) and, with ``task.in_batch_negatives``, the next items of the rank's
   other samples; a negative that is the positive's own item is left out (an accidental hit).
+  The loss is averaged over positions; with overlapping training windows (``task.window_stride``
+  below ``max_len``) only each window's last ``window_stride`` positions count, the targets the
+  window before it did not reach.
   In evaluation it also returns each sample's query and its candidates' item vectors, which
   ranking against the whole item table needs (``freescale.train.retrieval``).
 
@@ -273,6 +276,12 @@ class HSTURetrievalTask(_HSTUTask):
         # The columns' fresh concatenation is masked in place (no [T, columns] copy).
         logits = torch.cat(columns, dim=1)
         logits.masked_fill_(to_device(torch.cat(masks, dim=1), device), float("-inf"))
+        stride = self.task_cfg.window_stride
+        if 0 < stride < self.max_len:  # overlapping windows: the targets the previous window did not reach
+            within = _within(uih_lengths)
+            keep = (within >= uih_lengths[owner] - stride).nonzero().squeeze(1)
+            logits = logits.index_select(0, to_device(keep, device))
+            return F.cross_entropy(logits, logits.new_zeros(len(keep), dtype=torch.long))
         return F.cross_entropy(logits, logits.new_zeros(T, dtype=torch.long))
 
     def flops(self, uih_lengths, cand_counts) -> float:
