@@ -236,6 +236,12 @@ class HSTURetrievalTask(_HSTUTask):
     def _loss(self, queries, items, item_ids, target, owner, uih_lengths, cand_counts, first) -> torch.Tensor:
         """Mean over positions of the sampled softmax's cross-entropy (the positive in column 0)."""
         device = queries.device
+        stride = self.task_cfg.window_stride
+        if 0 < stride < self.max_len:  # overlapping windows: the targets the previous window did not reach
+            kept = uih_lengths.clamp(max=stride)  # each sample's last positions, still sample-major
+            at = (_within(uih_lengths) >= (uih_lengths - stride)[owner]).nonzero().squeeze(1)
+            queries = queries.index_select(0, to_device(at, device))
+            target, owner, uih_lengths = target[at], owner[at], kept
         T = queries.shape[0]
         if T == 0:
             return queries.sum() * 0.0 + items.sum() * 0.0
@@ -276,20 +282,16 @@ class HSTURetrievalTask(_HSTUTask):
         # The columns' fresh concatenation is masked in place (no [T, columns] copy).
         logits = torch.cat(columns, dim=1)
         logits.masked_fill_(to_device(torch.cat(masks, dim=1), device), float("-inf"))
-        stride = self.task_cfg.window_stride
-        if 0 < stride < self.max_len:  # overlapping windows: the targets the previous window did not reach
-            within = _within(uih_lengths)
-            keep = (within >= uih_lengths[owner] - stride).nonzero().squeeze(1)
-            logits = logits.index_select(0, to_device(keep, device))
-            return F.cross_entropy(logits, logits.new_zeros(len(keep), dtype=torch.long))
         return F.cross_entropy(logits, logits.new_zeros(T, dtype=torch.long))
 
     def flops(self, uih_lengths, cand_counts) -> float:
         """Forward FLOPs (matrix products, 2 m n k) of these samples, scoring included."""
         uih_lengths, cand_counts = torch.as_tensor(uih_lengths), torch.as_tensor(cand_counts)
         T, B = int(uih_lengths.sum()), len(uih_lengths)
+        stride = self.task_cfg.window_stride
+        scored = int(uih_lengths.clamp(max=stride).sum()) if 0 < stride < self.max_len else T  # the loss's positions
         d = self.cfg.embedding_dim
         negatives = int(cand_counts.max() - 1) if B else 0
-        scores = 2 * T * d * (1 + max(negatives, 0) + (B if self.task_cfg.in_batch_negatives else 0))
+        scores = 2 * scored * d * (1 + max(negatives, 0) + (B if self.task_cfg.in_batch_negatives else 0))
         project = 0 if self.project is None else 4 * T * d * self.dim
         return float(self.encoder.flops(uih_lengths, torch.zeros_like(uih_lengths)) + scores + project)
