@@ -182,6 +182,8 @@ class TaskConfig:
     """retrieval: negatives sampled per sample, uniform over the item table (besides the batch's other targets)."""
     in_batch_negatives: bool = True
     """retrieval: the other targets of the rank's batch are negatives too."""
+    shared_negatives: bool = False
+    """retrieval: every position scores against the distinct items among all of the rank's samples' sampled negatives, not only its own sample's: far more negatives (up to the whole table) for no more lookups, at the cost of a position's loss depending on its batch-mates (as in-batch negatives do)."""
     temperature: Annotated[float, Range(min=1e-4)] = 0.05
     """retrieval: softmax temperature over the cosine similarities of query and item."""
     eval_ks: list[int] = field(default_factory=lambda: [10, 50, 200])

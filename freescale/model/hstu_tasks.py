@@ -17,7 +17,8 @@ up, the item ids and the batch's shape and timestamps on the host) and run the H
   other samples; a negative that is the positive's own item is left out (an accidental hit).
   The loss is averaged over positions; with overlapping training windows (``task.window_stride``
   below ``max_len``) only each window's last ``window_stride`` positions count, the targets the
-  window before it did not reach.
+  window before it did not reach. With ``task.shared_negatives`` every position scores against
+  each distinct item among all the rank's samples' negatives instead of its own sample's.
   In evaluation it also returns each sample's query and its candidates' item vectors, which
   ranking against the whole item table needs (``freescale.train.retrieval``).
 
@@ -255,15 +256,31 @@ class HSTURetrievalTask(_HSTUTask):
         real = slot[None, :] < negs[:, None]  # [B, width]
         at = torch.where(real, first[:, None] + 1 + slot[None, :], torch.zeros_like(slot)[None, :])
         in_batch = B if self.task_cfg.in_batch_negatives else 0
+        shared = bool(width) and self.task_cfg.shared_negatives
+        if shared:
+            # Each distinct item among all samples' negatives once, at its first draw (a repeat's
+            # row holds the same values, and its gradient would go to the same table row).
+            drawn = at[real]
+            shared_ids, inverse = torch.unique(item_ids[drawn], return_inverse=True)
+            first_of = torch.full((len(shared_ids),), len(drawn), dtype=torch.long).scatter_reduce(
+                0, inverse, torch.arange(len(drawn)), reduce="amin")
+            negatives = drawn[first_of]
+        else:
+            negatives = at.reshape(-1)
         # Every item row the loss reads, in one gather (one index_add in the backward): the
-        # positions' targets, the padded negatives, the samples' next items.
-        wanted = torch.cat([target, at.reshape(-1), first[:in_batch]])
-        pos_rows, neg_rows, nxt = items.index_select(0, to_device(wanted, device)).split([T, B * width, in_batch])
+        # positions' targets, the negatives (padded per sample, or the shared ones), the
+        # samples' next items.
+        wanted = torch.cat([target, negatives, first[:in_batch]])
+        pos_rows, neg_rows, nxt = items.index_select(0, to_device(wanted, device)).split(
+            [T, len(negatives), in_batch])
         # The temperature scales the [T, D] queries, not the [T, columns] logits.
         queries = queries / tau
         columns = [(queries * pos_rows).sum(-1, keepdim=True)]
         masks = [torch.zeros((T, 1), dtype=torch.bool)]
-        if width:
+        if shared:  # every position against every shared negative
+            columns.append(queries @ neg_rows.T)
+            masks.append(shared_ids[None, :] == target_ids[:, None])
+        elif width:
             # Each sample's positions against its negatives: one batched product over the
             # positions padded per sample ([B, Lmax, D] @ [B, D, width]), real positions kept.
             lmax = int(uih_lengths.max())
@@ -285,7 +302,9 @@ class HSTURetrievalTask(_HSTUTask):
         return F.cross_entropy(logits, logits.new_zeros(T, dtype=torch.long))
 
     def flops(self, uih_lengths, cand_counts) -> float:
-        """Forward FLOPs (matrix products, 2 m n k) of these samples, scoring included."""
+        """Forward FLOPs (matrix products, 2 m n k) of these samples, scoring included (with
+        ``task.shared_negatives`` a position's negatives are counted as its sample's own: how many
+        distinct items the batch's negatives hold depends on the ids, not on these sizes)."""
         uih_lengths, cand_counts = torch.as_tensor(uih_lengths), torch.as_tensor(cand_counts)
         T, B = int(uih_lengths.sum()), len(uih_lengths)
         stride = self.task_cfg.window_stride
