@@ -28,7 +28,7 @@ from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.device import accelerated, to_device
 
 HOST_FIELDS = ("uih_lengths", "cand_counts", "sample_ids", "batch_index", "uih_timestamps", "cand_timestamps",
-               "item_ids", "stream_positions", "seen_items")
+               "item_ids", "stream_positions", "user_ids", "seen_items")
 """The fields that stay on the host when a batch moves to a device."""
 SPARSE_FIELDS = ("seq_features", "user_features")
 """The ids: the device's for TorchRec's tables; the pipelines over FreeScale's own tables route
@@ -124,6 +124,10 @@ class Batch(Pipelineable):
     device the features go to: the same tensor, no copy (retrieval compares ids on the host)."""
     stream_positions: torch.Tensor
     """int64 [n] on the host: ``Samples.stream_positions`` (the key of each sample's dropout)."""
+    user_ids: torch.Tensor | None = None
+    """int64 [n] on the host: the samples' user ids as the source gives them, before hashing into
+    the user table (``user_features``): per-user figures (GAUC) group by these, so users whose
+    hashes collide stay apart."""
     seen_items: list[np.ndarray] | None = None
     """Held-out retrieval batches of a source that knows users' whole timelines (a ratings log):
     each sample's every item before its target, however long (its history is only the latest
@@ -156,10 +160,15 @@ class Batch(Pipelineable):
             cand_timestamps=torch.from_numpy(samples.cand_timestamps),
             item_ids=item_ids,
             stream_positions=torch.from_numpy(samples.stream_positions),
+            user_ids=torch.from_numpy(np.asarray(samples.user_ids, dtype=np.int64)),
         )
 
     def __len__(self) -> int:
         return self.sample_ids.numel()
+
+    def candidate_users(self) -> torch.Tensor:
+        """Each candidate's user id (``user_ids``, unhashed), in candidate order."""
+        return torch.repeat_interleave(self.user_ids, self.cand_counts)
 
     def _map(self, fn, names) -> "Batch":
         return Batch(**{name: fn(value) if name in names else value

@@ -377,8 +377,7 @@ def _evaluate(pipeline: TrainPipeline, held_out: list, log: logging.Logger, step
     with pipeline.evaluating() as model:
         for batch in held_out:
             _, out = model(batch)
-            metrics.update(out.logits, out.labels, torch.repeat_interleave(batch.user_features.values(),
-                                                                           batch.cand_counts))
+            metrics.update(out.logits, out.labels, batch.candidate_users())
     result = metrics.compute()
     if result:
         log.info(f"eval auc {result['eval/auc']:.4f} | gauc {result.get('eval/gauc', float('nan')):.4f} | ne "

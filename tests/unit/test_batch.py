@@ -58,3 +58,13 @@ def test_label_names():
     ratings = DataConfig(source="ratings", ratings=RatingsDataConfig(positive_rating=4, more_labels=[5, 4.5]))
     assert label_names(ratings) == ["rating>=4", "rating>=5", "rating>=4.5"]
     assert label_names(ratings, "retrieval") == ["next_item"]
+
+
+def test_per_user_groups_are_the_source_user_ids_not_their_hashes():
+    """Users 7 and 12 share a row of a 5-row user table; GAUC's groups keep them apart."""
+    s = samples()
+    s.user_ids = np.array([7, 12, 9])
+    b = Batch.from_samples(s, batch_index=0, user_hash_size=5)
+    assert b.user_features.values().tolist() == [2, 2, 4]
+    assert b.candidate_users().tolist() == [7, 12, 12, 9, 9]
+    assert "user_ids" in HOST_FIELDS
