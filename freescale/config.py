@@ -652,6 +652,13 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"data.min_uih_len: expected <= data.max_uih_len ({d.max_uih_len}), got {d.min_uih_len}")
     if cfg.task.kind == "retrieval" and m.kind != "hstu":
         raise ConfigError(f"task.kind: retrieval trains next-item prediction with model.kind hstu, got {m.kind}")
+    if cfg.task.window_stride:
+        if cfg.task.kind != "retrieval" or d.source == "synthetic":
+            raise ConfigError(f"task.window_stride: overlapping windows cut a ratings log's timelines for retrieval; "
+                              f"this run is {cfg.task.kind} on {d.source} data (leave it 0)")
+        if cfg.task.window_stride > d.max_uih_len:
+            raise ConfigError(f"task.window_stride: expected <= data.max_uih_len ({d.max_uih_len}: a longer stride "
+                              f"skips events), got {cfg.task.window_stride}")
     if any(k < 1 for k in cfg.task.eval_ks):
         raise ConfigError(f"task.eval_ks: expected cut-offs >= 1, got {cfg.task.eval_ks}")
     if any(w < 1 for w in m.mlp_dims):

@@ -231,12 +231,14 @@ def test_verify_cli_is_bitwise_with_the_balancer_on(tmp_path):
     assert len(table) == 20 and all(float(row[-1]) == 0.0 for row in table)
 
 
-@pytest.mark.parametrize("task", ["ranking", "retrieval"])
-def test_verify_cli_is_bitwise_with_hstu(task):
-    # HSTU's dropout draws from the same seeded generator in the same order in both pipelines.
+@pytest.mark.parametrize("task,extra", [("ranking", []), ("retrieval", []),
+                                        ("retrieval", ["--task.shared_negatives=true"])],
+                         ids=["ranking", "retrieval", "retrieval-shared-negatives"])
+def test_verify_cli_is_bitwise_with_hstu(task, extra):
+    # HSTU's dropout masks are keyed by the samples (freescale.model.dropout), alike in both pipelines.
     proc = check(torchrun(2, "verify", "--config", str(REPO / "configs" / "hstu_ranking.yaml"), *FAST, "--steps=6",
                           "--balance.enable=true", f"--task.kind={task}", "--task.num_negatives=16",
-                          "--data.synthetic.num_items=512", timeout=600))
+                          "--data.synthetic.num_items=512", *extra, timeout=600))
     assert "bitwise identical" in proc.stdout and "NOT" not in proc.stdout
     table = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
     assert len(table) == 6 and all(float(row[-1]) == 0.0 for row in table)

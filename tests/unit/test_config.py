@@ -83,6 +83,12 @@ def test_numbers_in_exponent_form_without_a_dot_are_numbers():
         (["--model.kind=hstu", "--task.eval_ks=[10, 0]"], "task.eval_ks: expected cut-offs >= 1, got [10, 0]"),
         (["--model.kind=rnn"], "model.kind: expected one of transformer, hstu; got 'rnn'"),
         (["--data.synthetic.num_labels=3"], "data.synthetic.num_labels: expected a value in [1, 2], got 3"),
+        (["--model.kind=hstu", "--task.kind=retrieval", "--task.window_stride=5"],
+         "task.window_stride: overlapping windows cut a ratings log's timelines for retrieval; this run is "
+         "retrieval on synthetic data"),
+        (["--data.source=ml100k", "--task.window_stride=5"], "this run is ranking on ml100k data"),
+        (["--data.source=ml100k", "--model.kind=hstu", "--task.kind=retrieval", "--data.max_uih_len=20",
+          "--task.window_stride=21"], "task.window_stride: expected <= data.max_uih_len (20: a longer stride"),
     ],
 )
 def test_errors_name_the_key_and_expectation(overrides, fragment):
