@@ -212,11 +212,16 @@ def copies(monkeypatch):
 
 
 def test_a_batch_goes_to_a_device_from_pinned_memory_and_keeps_its_shape_on_the_host(copies):
-    moved = _batch().to(torch.device("meta"), non_blocking=False)
+    batch = _batch()
+    batch.seen_items = [np.arange(3)] * len(batch)  # (held-out retrieval's: arrays, not tensors)
+    moved = batch.to(torch.device("meta"), non_blocking=False)
     assert moved.labels.device.type == "meta" and moved.seq_features.values().device.type == "meta"
     assert copies and all(copy == (True, True) for copy in copies), copies  # pinned, non-blocking, always
     for name in HOST_FIELDS:
-        assert getattr(moved, name).device.type == "cpu", name
+        if name == "seen_items":
+            assert moved.seen_items is batch.seen_items
+        else:
+            assert getattr(moved, name).device.type == "cpu", name
     # The ids stay on the host too when the pipeline routes them from there.
     assert _batch().to(torch.device("meta"), sparse=False).seq_features.values().device.type == "cpu"
 
