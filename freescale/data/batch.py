@@ -124,7 +124,7 @@ class Batch(Pipelineable):
     device the features go to: the same tensor, no copy (retrieval compares ids on the host)."""
     stream_positions: torch.Tensor
     """int64 [n] on the host: ``Samples.stream_positions`` (the key of each sample's dropout)."""
-    user_ids: torch.Tensor | None = None
+    user_ids: torch.Tensor
     """int64 [n] on the host: the samples' user ids as the source gives them, before hashing into
     the user table (``user_features``): per-user figures (GAUC) group by these, so users whose
     hashes collide stay apart."""

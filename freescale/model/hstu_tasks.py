@@ -240,9 +240,9 @@ class HSTURetrievalTask(_HSTUTask):
         stride = self.task_cfg.window_stride
         if 0 < stride < self.max_len:  # overlapping windows: the targets the previous window did not reach
             kept = uih_lengths.clamp(max=stride)  # each sample's last positions, still sample-major
-            at = (_within(uih_lengths) >= (uih_lengths - stride)[owner]).nonzero().squeeze(1)
-            queries = queries.index_select(0, to_device(at, device))
-            target, owner, uih_lengths = target[at], owner[at], kept
+            scored = (_within(uih_lengths) >= (uih_lengths - stride)[owner]).nonzero().squeeze(1)
+            queries = queries.index_select(0, to_device(scored, device))
+            target, owner, uih_lengths = target[scored], owner[scored], kept
         T = queries.shape[0]
         if T == 0:
             return queries.sum() * 0.0 + items.sum() * 0.0

@@ -29,9 +29,10 @@ candidate's time in seconds (``uih_timestamps``, ``cand_timestamps``, int64, ali
 ids): the program computes the relative time buckets from them. A history longer than the
 trained one (``manifest["max_uih_len"]``) is cut to its latest events, as training cuts it.
 ``predict`` returns the candidates' logits [sum(cand_counts), K], one column per label
-(``manifest["labels"]``; K = 1 is [N, 1]), in order. ``topk`` returns each user's ``k`` best item ids [B, k], best first,
-leaving out (``exclude_history``) the items already in the user's history as training's
-held-out evaluation does; a user without a history has a zero query (every item scores 0).
+(``manifest["labels"]``; K = 1 is [N, 1]), in order. ``topk`` returns each user's ``k`` best
+item ids [B, k], best first, leaving out (``exclude_history``) the items already in the user's
+history as training's held-out evaluation does; a user without a history has a zero query
+(every item scores 0).
 """
 
 from __future__ import annotations
