@@ -112,7 +112,8 @@ def eval_batches(source: SampleSource, *, num_samples: int, batch_size: int, ran
     """This rank's share of the first ``num_samples`` held-out samples, in batches.
 
     Every rank gets the same number of samples and batches, since each forward through the
-    sharded model is a collective.
+    sharded model is a collective. A source that knows its users' whole timelines (a ratings
+    log's ``seen_items``) attaches each sample's earlier items (``Batch.seen_items``).
     """
     available = num_samples if source.num_samples is None else min(num_samples, source.num_samples)
     per_rank = available // world_size
