@@ -24,8 +24,9 @@ TORCHFT=torchft==0.2.0
 TORCHREC=torchrec==1.8.0
 TORCHREC_DEPS=(pyre-extensions tensordict "torchmetrics==1.0.3" tqdm)
 # tensorboard: run.tensorboard's event files (and the tests that read them back); 2.21 accepts
-# the protobuf 7 and numpy 2 the rest of the stack installs.
-TOOLS=(numpy pyyaml matplotlib pytest pytest-timeout hypothesis "tensorboard==2.21.0")
+# the protobuf 7 and numpy 2 the rest of the stack installs. pyarrow: the Parquet sample files
+# (freescale.data.sample_files); duckdb: `freescale prepare`'s out-of-core engine.
+TOOLS=(numpy pyyaml matplotlib pytest pytest-timeout hypothesis "tensorboard==2.21.0" "pyarrow==26.0.1" "duckdb==2.0.1")
 
 TORCH_INDEX=()
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
