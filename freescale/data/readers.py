@@ -41,10 +41,7 @@ import numpy as np
 
 from freescale.data.batch import Samples
 from freescale.data.retrieval import next_item_candidates
-
-
-class DataError(ValueError):
-    """A data file that cannot be read; the message is one line naming the file."""
+from freescale.errors import DataError  # noqa: F401 (where callers have always found it)
 
 
 @dataclass

@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from freescale.errors import DataError
+
 MANIFEST = "manifest.json"
 FORMAT = "freescale.samples"
 VERSION = 1
@@ -51,7 +53,7 @@ ROWS_PER_FILE = 1 << 20
 """Default rows per file."""
 
 
-class SampleFileError(ValueError):
+class SampleFileError(DataError):
     """A prepared dataset that cannot be read or written; one line naming the file."""
 
 

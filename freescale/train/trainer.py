@@ -32,6 +32,7 @@ import torch.distributed as dist
 from freescale import distributed
 from freescale.balance.balancer import build_balancer
 from freescale.balance.cost import CostModel, load_cost_model
+from freescale.data.readahead import read_ahead
 from freescale.config import ExperimentConfig, declared_faults, write_config
 from freescale.data.loader import BatchLoader, SampleSource, build_sources, eval_batches
 from freescale.distributed import Topology
@@ -211,7 +212,9 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     # pauses one rank at a time, and every pause becomes a straggler bubble on the others.
     collector = GarbageCollector(cfg.train.gc_every)
     closing.callback(collector.close)
-    batches = timeline.timed_batches(balancer.batches(cursor.stream()))
+    samples = read_ahead(cursor.stream(), cfg.data.read_ahead)  # (decoded on a thread of its own)
+    closing.callback(getattr(samples, "close", lambda: None))
+    batches = timeline.timed_batches(balancer.batches(samples))
     window = StepWindow()
     started = time.perf_counter()
     aside = 0.0  # seconds of evaluations and checkpoints inside the loop
