@@ -98,11 +98,10 @@ class ParquetSource:
             samples = self._with_negatives(samples)
         return samples
 
-    def seen_items(self, positions: np.ndarray) -> list[np.ndarray]:
-        """Held-out retrieval: each sample's user's every item before its candidate."""
-        if not self._with_seen:
-            raise SampleFileError(f"{self.folder}: the {self.split} split has no seen_items")
-        return self._rows(positions, seen=True)[1]
+    def seen_items(self, positions: np.ndarray) -> list[np.ndarray] | None:
+        """Held-out retrieval: each sample's user's every item before its candidate (None for
+        the other splits: their samples' histories are all the files hold)."""
+        return self._rows(positions, seen=True)[1] if self._with_seen else None
 
     # Reading ---------------------------------------------------------------------------------
 

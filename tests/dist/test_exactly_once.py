@@ -9,6 +9,7 @@ import pytest
 from freescale.config import load_config
 from freescale.train.ledger import audit, expected_samples, read_ledger
 from helpers.launch import FAST, QUICKSTART, metrics
+from helpers.prepared import batches_of, train_ids, write_synthetic_prepared
 from helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -42,20 +43,20 @@ def test_every_partition_trains_each_sample_exactly_once(tmp_path):
         assert moved == (partition != "contiguous"), partition  # the balancer did re-partition
 
 
-def _crash_and_resume(rank, world, root):
+def _crash_and_resume(rank, world, root, data=()):
     from freescale.faults import InjectedFault
     from freescale.train.trainer import TrainingError, train
 
     threads_before = {t.name for t in threading.enumerate()}
     run = [*BALANCED, "--balance.partition=karmarkar_karp", "--transport.kind=host_staged", "--train.steps=6",
-           "--checkpoint.every=2", f"--run.dir={root}"]
+           "--checkpoint.every=2", f"--run.dir={root}", *data]
     # Steps 1-5 train (checkpoints at 2 and 4, the balancer a batch ahead), then the run fails.
     with pytest.raises(TrainingError, match="InjectedFault: injected fault at step 6") as err:
         train(load_config(QUICKSTART, [*run, "--fault.at_step=6"]))
     assert isinstance(err.value.__cause__, InjectedFault)
     # Everything the run opened is closed: GC schedule, transport proxy, log file.
     assert gc.isenabled() and gc.get_freeze_count() == 0
-    assert not [t for t in threading.enumerate() if t.name.startswith("host-staged-proxy")]
+    assert not [t for t in threading.enumerate() if t.name.startswith(("host-staged-proxy", "freescale-read-ahead"))]
     assert {t.name for t in threading.enumerate()} <= threads_before | {"MainThread"}
     from freescale.logging import get_logger
     assert [type(h).__name__ for h in get_logger().handlers] == ["StreamHandler"]
@@ -73,3 +74,18 @@ def test_resume_after_a_crash_trains_no_sample_twice(tmp_path):
     assert audit(records, expected_batches(cfg, range(6), ranks=2)) == {
         "samples_lost": 0, "samples_repeated": 0, "unexpected": 0}
     assert [r["step"] for r in metrics(tmp_path) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]  # step 5 rewound
+
+
+def _crash_and_resume_on_parquet(rank, world, root, data):
+    _crash_and_resume(rank, world, root, ["--data.source=parquet", f"--data.path={data}"])
+
+
+def test_resume_on_prepared_parquet_data_trains_no_sample_twice(tmp_path):
+    # 150 samples: the 6 steps of 32 wrap into the second epoch, across row groups and files.
+    data = write_synthetic_prepared(tmp_path / "data", QUICKSTART, BALANCED, n_train=150)
+    run_ranks(2, _crash_and_resume_on_parquet, str(tmp_path / "run"), data)
+    records = read_ledger(tmp_path / "run")
+    assert sorted((r["step"], r["rank"]) for r in records) == [(s, r) for s in range(1, 7) for r in (0, 1)]
+    expected = batches_of(train_ids(data), range(6), global_batch=32)
+    assert audit(records, expected) == {"samples_lost": 0, "samples_repeated": 0, "unexpected": 0}
+    assert [r["step"] for r in metrics(tmp_path / "run") if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
