@@ -378,3 +378,33 @@ def test_a_terminated_launcher_leaves_no_process_behind(tmp_path):
         for pid in [proc.pid, *below]:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_groups_on_prepared_parquet_data_lose_no_sample_across_a_kill(tmp_path):
+    # Two groups of one rank on a prepared dataset of 300 samples (row groups of 24, files of 50:
+    # every epoch crosses them all); group 1 is killed once it has trained 10 batches of its
+    # shard, catches up from group 0 and finishes. The reference is the files' own ids, read
+    # with pyarrow: batch k holds positions 16k .. 16k+15 (mod 300), group g trains k = g, g+2, ...
+    from collections import Counter
+
+    from freescale.train.ledger import read_ledger
+    from helpers.prepared import batches_of, train_ids, write_synthetic_prepared
+
+    data = write_synthetic_prepared(tmp_path / "data", FT_LOCAL, [], n_train=300)
+    run = tmp_path / "run"
+    proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--kill", "1@10", "--data.source=parquet",
+                          f"--data.path={data}", "--train.steps=300", "--checkpoint.at_end=true")
+    check(proc)
+    assert [f["cause"] for f in summary["groups"][1]["failures"]] == ["killed"]
+    assert_exactly_once(summary, 300)
+    ids = train_ids(data)
+    trained = Counter()
+    for g in range(2):
+        records = read_ledger(run / f"replica{g}")
+        for r in records:
+            assert r["sample_ids"] == batches_of(ids, [r["batch"]], 16)[r["batch"]]
+            assert r["batch"] % 2 == g
+            trained[r["batch"]] += 1
+        batches = sorted(r["batch"] for r in records)
+        assert batches == list(range(g, 2 * len(batches) + g, 2))  # its shard, from the start, no gap
+    assert set(trained.values()) == {1}
