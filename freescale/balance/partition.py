@@ -49,6 +49,7 @@ at least as many samples as ranks. Selected by name from ``PARTITIONS``:
 from __future__ import annotations
 
 import heapq
+from functools import cached_property
 from typing import Callable
 
 import numpy as np
@@ -439,7 +440,7 @@ class _HostPlan:
     the saturated ones (which stay above the other ranks' level whatever they are given),
     dealt over them largest first to the least loaded; for the others, a run of consecutive
     samples (a window) that brings the anchor up to at most that level. The rest, the middle,
-    is dealt over the hosts in proportion to their ranks without an anchor (``_deal``), and
+    is dealt over the hosts in proportion to their ranks without an anchor (``_Deal``), and
     within each host over those ranks (``_within_hosts``).
     """
 
@@ -508,11 +509,22 @@ class _HostPlan:
         self.free[self.anchor_host, self.anchor_rank] = 0
         self.free_ranks = self.host_ranks - np.bincount(self.anchor_host, minlength=H)
 
+    @cached_property
+    def middle_deal(self) -> "_Deal":
+        """The middle over the hosts, in proportion to their ranks without an anchor."""
+        return _Deal(self.y[self.middle[:-1]], self.free.sum(axis=1), np.maximum(self.free_ranks, 1),
+                     np.zeros(self.hosts))
+
+    @cached_property
+    def companion_deal(self) -> "_Deal":
+        """The smallest samples over the saturated anchors (each anchor a "host" of the deal)."""
+        saturated = self.saturated
+        return _Deal(self.y[self.n - self.reserved:self.n], self.anchor_room[:saturated], np.ones(saturated),
+                     self.y[:saturated].copy())
+
     def middle_blocks(self, hosts: np.ndarray) -> np.ndarray:
         """The middle's positions [slots, len(hosts)], decreasing cost down a column; n: none."""
-        middle = self.middle[:-1]
-        pos = _deal(self.y[middle], self.free.sum(axis=1), np.maximum(self.free_ranks, 1), np.zeros(self.hosts), hosts, 0)
-        return self.middle[pos]
+        return self.middle[self.middle_deal.blocks(hosts, 0)]
 
     def anchor_rows(self, hosts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The anchors on ``hosts``: (their index into ``hosts``, their rank of the host, their
@@ -525,8 +537,7 @@ class _HostPlan:
         rows[:, 0] = mine
         sat = mine[mine < saturated]
         if len(sat):
-            comp = _deal(self.y[self.n - self.reserved:self.n], self.anchor_room[:saturated], np.ones(saturated),
-                         self.y[:saturated].copy(), sat, self.n - self.reserved)
+            comp = self.companion_deal.blocks(sat, self.n - self.reserved)
             rows[:len(sat), 1:comp.shape[0] + 1] = np.where(comp >= 0, comp, self.n).T
         big = mine[mine >= saturated]
         if len(big):
@@ -559,81 +570,96 @@ class _HostPlan:
         return host
 
 
-def _deal(values: np.ndarray, capacity: np.ndarray, weight: np.ndarray, load: np.ndarray, hosts: np.ndarray,
-          offset: int) -> np.ndarray:
-    """Positions (``offset`` + index into ``values``, decreasing costs) per host: [slots, len(hosts)], -1 pads.
+class _Deal:
+    """A deal of ``values`` (decreasing costs) over hosts; ``blocks`` gives hosts' positions.
 
     Each host takes ``capacity`` samples, spread evenly over ``max(capacity)`` rounds (a host
     with a full capacity takes one in every round). Rounds deal consecutive samples: the
     first ``LPT_ROUNDS`` by load per ``weight`` (the largest of the round to the least loaded
     host, re-sorted after every round; ``load`` to start from), the rest in snake order over
-    the last order (forwards, backwards, ...), which a host can compute for itself.
+    the last order (forwards, backwards, ...), which a host can compute for itself. The
+    load-ordered rounds are replayed once, when the deal is made, and kept for every question.
     """
-    H = len(capacity)
-    T = int(capacity.max()) if H else 0
-    out = np.full((T, len(hosts)), -1, dtype=np.int64)
-    if T == 0:
-        return out
-    active = np.flatnonzero(capacity > 0)
-    caps, group = np.unique(capacity[active], return_inverse=True)
-    G = len(caps)
-    share = np.arange(T + 1)[None, :] * caps[:, None] // T  # [group, round]: samples taken before the round
-    takes = share[:, 1:] > share[:, :-1]
-    per_round = np.bincount(group, minlength=G) @ takes
-    start = np.concatenate([[0], np.cumsum(per_round)])
-    head = min(LPT_ROUNDS, T)
-    inv_weight = 1.0 / weight[active]
-    norm = load[active] * inv_weight
-    order = np.argsort(norm, kind="stable")
-    whole = len(hosts) == H  # (then hosts is every host, in order)
-    head_pos = np.full((0 if whole else head, len(active)), -1, dtype=np.int64)
-    for t in range(head):
-        p = order if G == 1 else order[takes[group[order], t]]
+
+    def __init__(self, values: np.ndarray, capacity: np.ndarray, weight: np.ndarray, load: np.ndarray) -> None:
+        self.hosts = H = len(capacity)
+        self.rounds = T = int(capacity.max()) if H else 0
+        if T == 0:
+            return
+        self.active = active = np.flatnonzero(capacity > 0)
+        caps, self.group = np.unique(capacity[active], return_inverse=True)
+        self.groups = G = len(caps)
+        self.share = share = np.arange(T + 1)[None, :] * caps[:, None] // T  # [group, round]: samples taken before the round
+        self.takes = takes = share[:, 1:] > share[:, :-1]
+        self.per_round = per_round = np.bincount(self.group, minlength=G) @ takes
+        self.start = start = np.concatenate([[0], np.cumsum(per_round)])
+        self.head = head = min(LPT_ROUNDS, T)
+        inv_weight = 1.0 / weight[active]
+        norm = load[active] * inv_weight
+        order = np.argsort(norm, kind="stable")
+        self.head_order = []  # per load-ordered round: its participants (into ``active``), least loaded first
+        for t in range(head):
+            p = self._taking(order, t)
+            self.head_order.append(p)
+            norm[p] += values[start[t]:start[t + 1]] * inv_weight[p]
+            order = order[np.argsort(norm[order], kind="stable")]
+        self.order = order  # the order the snake rounds go by
+
+    def _taking(self, order: np.ndarray, t: int) -> np.ndarray:
+        """The hosts of ``order`` (indices into ``active``) that take a sample in round ``t``."""
+        return order if self.groups == 1 else order[self.takes[self.group[order], t]]
+
+    def blocks(self, hosts: np.ndarray, offset: int) -> np.ndarray:
+        """Positions (``offset`` + index into ``values``) per host: [slots, len(hosts)], -1 pads."""
+        T, H = self.rounds, self.hosts
+        out = np.full((T, len(hosts)), -1, dtype=np.int64)
+        if T == 0:
+            return out
+        G = self.groups
+        active, group, share, takes, start, head = self.active, self.group, self.share, self.takes, self.start, self.head
+        per_round, order = self.per_round, self.order
+        whole = len(hosts) == H  # (then hosts is every host, in order)
         if whole:
-            out[t if G == 1 else share[group[p], t], active[p]] = np.arange(offset + start[t], offset + start[t + 1])
-        else:
+            for t in range(T):
+                if t < head:
+                    p = self.head_order[t]
+                else:  # the snake rounds
+                    p = self._taking(order, t)
+                    p = p if (t - head) % 2 == 0 else p[::-1]
+                out[t if G == 1 else share[group[p], t], active[p]] = np.arange(offset + start[t], offset + start[t + 1])
+            return out
+        head_pos = np.full((head, len(active)), -1, dtype=np.int64)
+        for t, p in enumerate(self.head_order):
             head_pos[t, p] = np.arange(start[t], start[t + 1])
-        norm[p] += values[start[t]:start[t + 1]] * inv_weight[p]
-        order = order[np.argsort(norm[order], kind="stable")]
-    if whole:  # the snake rounds one at a time
+        # Some hosts (a host's own solve): the snake rounds in closed form, per round the host's place.
+        index = np.full(H, -1, dtype=np.int64)
+        index[active] = np.arange(len(active))
+        which = index[hosts]
+        keep = np.flatnonzero(which >= 0)
+        which = which[keep]
+        place = np.empty(len(active), dtype=np.int64)
+        place[order] = np.arange(len(active))
+        tail = np.arange(head, T)
         if G == 1:
-            forward, backward = order, order[::-1]
-        for t in range(head, T):
-            if G > 1:
-                forward = order[takes[group[order], t]]
-                backward = forward[::-1]
-            p = forward if (t - head) % 2 == 0 else backward
-            out[t if G == 1 else share[group[p], t], active[p]] = np.arange(offset + start[t], offset + start[t + 1])
+            ahead = np.broadcast_to(place[which], (len(tail), len(which)))
+        else:  # participants ahead in the order, per round: per group, those ahead times whether the group takes
+            ahead_by_group = np.zeros((G, len(active) + 1))
+            ahead_by_group[:, 1:] = np.cumsum(group[order][None, :] == np.arange(G)[:, None], axis=1)
+            ahead = (takes[:, head:].T.astype(np.float64) @ ahead_by_group[:, place[which]]).astype(np.int64)
+        forward = ((tail - head) % 2 == 0)[:, None]
+        tail_pos = start[head:T][:, None] + np.where(forward, ahead, per_round[head:][:, None] - 1 - ahead)
+        if G > 1:
+            tail_pos = np.where(takes[group[which]][:, head:].T, tail_pos, -1)
+        by_round = np.concatenate([head_pos[:, which], tail_pos])
+        taken = by_round >= 0
+        by_round[taken] += offset
+        if G == 1:
+            out[:, keep] = by_round
+            return out
+        slot = share[group[which], :T].T  # a host's t-th round fills its slot share(t)
+        column = np.broadcast_to(keep, by_round.shape)
+        out[slot[taken], column[taken]] = by_round[taken]
         return out
-    # Some hosts (a host's own solve): the snake rounds in closed form, per round the host's place.
-    index = np.full(H, -1, dtype=np.int64)
-    index[active] = np.arange(len(active))
-    which = index[hosts]
-    keep = np.flatnonzero(which >= 0)
-    which = which[keep]
-    place = np.empty(len(active), dtype=np.int64)
-    place[order] = np.arange(len(active))
-    tail = np.arange(head, T)
-    if G == 1:
-        ahead = np.broadcast_to(place[which], (len(tail), len(which)))
-    else:  # participants ahead in the order, per round: per group, those ahead times whether the group takes
-        ahead_by_group = np.zeros((G, len(active) + 1))
-        ahead_by_group[:, 1:] = np.cumsum(group[order][None, :] == np.arange(G)[:, None], axis=1)
-        ahead = (takes[:, head:].T.astype(np.float64) @ ahead_by_group[:, place[which]]).astype(np.int64)
-    forward = ((tail - head) % 2 == 0)[:, None]
-    tail_pos = start[head:T][:, None] + np.where(forward, ahead, per_round[head:][:, None] - 1 - ahead)
-    if G > 1:
-        tail_pos = np.where(takes[group[which]][:, head:].T, tail_pos, -1)
-    by_round = np.concatenate([head_pos[:, which], tail_pos])
-    taken = by_round >= 0
-    by_round[taken] += offset
-    if G == 1:
-        out[:, keep] = by_round
-        return out
-    slot = share[group[which], :T].T  # a host's t-th round fills its slot share(t)
-    column = np.broadcast_to(keep, by_round.shape)
-    out[slot[taken], column[taken]] = by_round[taken]
-    return out
 
 
 def _within_hosts(block: np.ndarray, order: np.ndarray, y: np.ndarray, cnt: np.ndarray, width: int) -> np.ndarray:
