@@ -3,8 +3,11 @@
 Protocol, per global batch ``k`` (each rank starts from its contiguous slice, in time order):
 
 I.   all-gather every rank's per-sample (UIH length, candidate count, labels per candidate);
-II.  every rank computes the same partition of the global batch from the calibrated cost
-     (``cost(L, C)``, pure and deterministic, so no rank needs to be told the result);
+II.  every rank solves the partition of the global batch from the calibrated cost
+     (``cost(L, C)``, pure and deterministic, so no rank needs to be told the result), as far
+     as it needs it: its own part and the ranks its own samples go to (``RANK_VIEWS``:
+     ``hierarchical`` solves the host split and only the hosts involved, the others the whole
+     partition), the same on every rank as the whole partition;
 III. all-to-all the samples (meta, UIH ids and times, candidate ids and times, labels) to their
      new ranks. Split sizes follow from (I) and (II), so no size exchange precedes the payload.
 
@@ -30,7 +33,7 @@ import numpy as np
 import torch
 
 from freescale.balance.cost import CostModel
-from freescale.balance.partition import PARTITIONS
+from freescale.balance.partition import RANK_VIEWS
 from freescale.data.batch import Batch, Samples
 from freescale.profile.timeline import phase
 
@@ -40,7 +43,7 @@ _META = 5  # sample id, user id, UIH length, candidate count, stream position
 class Balancer:
     def __init__(self, partition: str, cost_model: CostModel, transport, *, user_hash_size: int,
                  normalize_loss: bool) -> None:
-        self.partition = PARTITIONS[partition]
+        self.view = RANK_VIEWS[partition]
         self.cost_model = cost_model
         self.transport = transport
         self.rank = transport.rank
@@ -57,20 +60,17 @@ class Balancer:
         return self.transport.all_gather(torch.from_numpy(sizes))
 
     def plan(self, global_sizes: np.ndarray, local_count: int) -> "_Plan":
-        """Stage II: the partition, and what this rank sends to and receives from each rank."""
+        """Stage II: this rank's view of the partition, and what it sends to and receives from each rank."""
         L, C, K = global_sizes[:, 0], global_sizes[:, 1], global_sizes[:, 2]
-        parts = self.partition(self.cost_model.cost(L, C), self.world_size)
-        owner = np.empty(len(L), dtype=np.int64)
-        for r, p in enumerate(parts):
-            owner[p] = r
         counts = self._slice_counts(len(L), local_count)
+        mine = np.arange(int(counts[: self.rank].sum()), int(counts[: self.rank + 1].sum()))
+        view = self.view(self.cost_model.cost(L, C), self.world_size, self.rank, mine)
         source = np.repeat(np.arange(self.world_size), counts)
         words = _META + 2 * L + (2 + K) * C
-        mine = slice(int(counts[: self.rank].sum()), int(counts[: self.rank + 1].sum()))
-        send_owner = owner[mine]
+        send_owner = view.owners
         send_order = np.argsort(send_owner, kind="stable")
         input_splits = np.bincount(send_owner, weights=words[mine], minlength=self.world_size).astype(np.int64)
-        recv = owner == self.rank
+        recv = view.part  # ascending: global time order
         output_splits = np.bincount(source[recv], weights=words[recv], minlength=self.world_size).astype(np.int64)
         return _Plan(send_order=send_order, send_counts=np.bincount(send_owner, minlength=self.world_size),
                      input_splits=input_splits.tolist(), output_splits=output_splits.tolist(),
