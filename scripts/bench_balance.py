@@ -117,32 +117,24 @@ def scale_check(rows: list[dict], ranks: int = 1024, within: float = 0.01, budge
     return out
 
 
-def _timed(fn, repeats: int) -> tuple[object, dict]:
-    """``fn()``'s result and its milliseconds over ``repeats`` timed calls after one warm-up."""
-    result = fn()
-    ms = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        ms.append(1e3 * (time.perf_counter() - start))
-    ms.sort()
-    return result, {"median": ms[len(ms) // 2], "min": ms[0], "max": ms[-1]}
-
-
 def _timed_alternately(fns: dict, repeats: int) -> tuple[dict, dict]:
     """Each of ``fns``' result and its milliseconds over ``repeats`` rounds that call every one
-    once, in turn, after one warm-up each (so a slow stretch of the machine hits them alike)."""
+    once, in turn, after one warm-up each (so a slow stretch of the machine hits them alike):
+    wall time, and the process's CPU time (``cpu``: what a machine shared with other jobs
+    changes least; the solves run on one thread)."""
     results = {name: fn() for name, fn in fns.items()}
-    ms = {name: [] for name in fns}
+    wall, cpu = {name: [] for name in fns}, {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
-            ms[name].append(1e3 * (time.perf_counter() - start))
+            wall[name].append(1e3 * (time.perf_counter() - start))
+            cpu[name].append(1e3 * (time.process_time() - start_cpu))
     stats = {}
-    for name, times in ms.items():
-        times.sort()
-        stats[name] = {"median": times[len(times) // 2], "min": times[0], "max": times[-1]}
+    for name in fns:
+        w, c = sorted(wall[name]), sorted(cpu[name])
+        stats[name] = {"median": w[len(w) // 2], "min": w[0], "max": w[-1],
+                       "cpu": {"median": c[len(c) // 2], "min": c[0], "max": c[-1]}}
     return results, stats
 
 
@@ -151,8 +143,8 @@ def hierarchy_section(model: CostModel, rank_counts: list[int], cache: str, repe
     """``hierarchical`` at 8K-100K ranks: the whole solve and one rank's view (what each rank
     runs every step), timed alternately, and ``greedy`` over the whole batch where it still
     fits (up to ``greedy_up_to`` ranks), against the equal-count bound."""
-    print(f"\n(c) hierarchical (hosts of 8 ranks) at scale, {PER_RANK} samples per rank: imbalance / ms "
-          f"(median of {repeats})")
+    print(f"\n(c) hierarchical (hosts of 8 ranks) at scale, {PER_RANK} samples per rank: imbalance / wall ms "
+          f"(median of {repeats}, whole and view alternately)")
     print(f"{'lengths':<10}{'ranks':>7}{'samples':>9}{'bound':>8}{'hierarchical':>20}{'one view':>12}{'greedy':>20}")
     rows = []
     for dist_name, draw in distributions(cache).items():
@@ -172,13 +164,15 @@ def hierarchy_section(model: CostModel, rank_counts: list[int], cache: str, repe
                    "hierarchical_view": {"ms": rank_ms}}
             cell = "-"
             if ranks <= greedy_up_to:
-                g, g_ms = _timed(lambda: greedy(costs, ranks), max(1, repeats // 2))
+                g, g_ms = _timed_alternately({"greedy": lambda: greedy(costs, ranks)}, max(1, repeats // 2))
+                g, g_ms = g["greedy"], g_ms["greedy"]
                 row["greedy"] = {"imbalance": imbalance(costs, g), "ms": g_ms}
                 cell = f"{row['greedy']['imbalance']:.4f}/{g_ms['median']:.0f}"
             h = row["hierarchical"]
             print(f"{dist_name:<10}{ranks:>7}{len(costs):>9}{bound:>8.4f}"
                   f"{h['imbalance']:>11.4f}/{whole_ms['median']:<8.0f}{rank_ms['median']:>8.0f} ms{cell:>20}"
-                  f"   ({h['imbalance'] / bound - 1:+.2%} of the bound)", flush=True)
+                  f"   ({h['imbalance'] / bound - 1:+.2%} of the bound; CPU ms whole {whole_ms['cpu']['median']:.0f}, "
+                  f"view {rank_ms['cpu']['median']:.0f})", flush=True)
             rows.append(row)
     return rows
 
@@ -209,7 +203,8 @@ def train_once(ranks: int, partition: str, steps: int, run_dir: str) -> dict:
     with open(os.path.join(run_dir, "report", "report.json")) as f:
         summary = json.load(f)["summary"]
     return {"straggler_pct": summary["straggler_pct"], "step_ms": summary["step_ms"],
-            "bubble_fraction": summary["bubble_fraction"], "exposed_comm_ms_per_step": summary["exposed_comm_ms_per_step"]}
+            "bubble_fraction": summary["bubble_fraction"], "exposed_comm_ms_per_step": summary["exposed_comm_ms_per_step"],
+            "data_wait_ms_per_step": summary["data_wait_ms_per_step"]}
 
 
 def training_section(model: CostModel, rank_counts: list[int], repeats: int, steps: int) -> list[dict]:
@@ -228,7 +223,7 @@ def training_section(model: CostModel, rank_counts: list[int], repeats: int, ste
                     runs[p].append(r)
                     progress.update()
                     say(progress, f"  rep {rep} {p:<15} straggler {r['straggler_pct']:6.2f}% | step {r['step_ms']:7.1f} ms"
-                        f" | bubble fraction {r['bubble_fraction']:.3f}")
+                        f" | bubble fraction {r['bubble_fraction']:.3f} | data wait {r['data_wait_ms_per_step']:.2f} ms")
         progress.close()
         base = runs["contiguous"]
         mean = lambda rs, k: float(np.mean([r[k] for r in rs]))
