@@ -254,6 +254,8 @@ class BalanceConfig:
     """Partition function; greedy (equal counts) stays within 1% of the bound at 1024 ranks in tens of ms; vbs gives unequal sample counts and normalizes the loss globally; hierarchical (equal counts, hosts of 8 ranks first, then the ranks of each host) is for 8K-100K ranks."""
     cost_model: str = ""
     """Cost model JSON from `freescale calibrate`; empty = the built-in default."""
+    read_ahead: Annotated[int, Positive] = 2
+    """Global batches the balancer's thread balances (all-gather, partition, all-to-all) ahead of the one training takes, off the main thread."""
 
 
 @dataclass

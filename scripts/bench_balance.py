@@ -14,8 +14,10 @@
     printed; straggler % and step time from each run's bubble report, with ratios to
     ``contiguous``.
 (c) ``hierarchical`` at 8K, 32K and 100K ranks of 64 samples (up to 6.4M samples a global
-    batch): imbalance against the equal-count bound, milliseconds of the whole solve and of one
-    rank's own part (``hierarchical_rank``, what each rank runs), and ``greedy`` at 8K ranks.
+    batch): imbalance against the equal-count bound, milliseconds of the whole solve (what
+    every rank ran per step before the balancer asked each rank for its view only) and of one
+    rank's view (``hierarchical_view`` with the rank's own samples asked: what each rank runs
+    now), timed alternately, and ``greedy`` at 8K ranks. ``--only-hierarchy`` runs this alone.
 
 The cost model is ``runs/cost_model-bench_balance.json``, calibrated first if missing.
 Results go to ``runs/bench_balance.json``.
@@ -40,7 +42,7 @@ from freescale.io import write_json_atomic  # noqa: E402
 from freescale.progress import bar, say  # noqa: E402
 from freescale.balance.cost import CostModel  # noqa: E402
 from freescale.balance.partition import (PARTITIONS, equal_count_bound, evaluate, greedy, hierarchical,  # noqa: E402
-                                         hierarchical_rank, imbalance, lower_bound)
+                                         hierarchical_view, imbalance, lower_bound)
 from freescale.config import SyntheticDataConfig, load_config  # noqa: E402
 from freescale.data.ml100k import ensure_ml100k, user_history_lengths  # noqa: E402
 from freescale.data.synthetic import sample_uih_lengths  # noqa: E402
@@ -115,46 +117,62 @@ def scale_check(rows: list[dict], ranks: int = 1024, within: float = 0.01, budge
     return out
 
 
-def _timed(fn, repeats: int) -> tuple[object, dict]:
-    """``fn()``'s result and its milliseconds over ``repeats`` timed calls after one warm-up."""
-    result = fn()
-    ms = []
+def _timed_alternately(fns: dict, repeats: int) -> tuple[dict, dict]:
+    """Each of ``fns``' result and its milliseconds over ``repeats`` rounds that call every one
+    once, in turn, after one warm-up each (so a slow stretch of the machine hits them alike):
+    wall time, and the process's CPU time (``cpu``: what a machine shared with other jobs
+    changes least; the solves run on one thread)."""
+    results = {name: fn() for name, fn in fns.items()}
+    wall, cpu = {name: [] for name in fns}, {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        ms.append(1e3 * (time.perf_counter() - start))
-    ms.sort()
-    return result, {"median": ms[len(ms) // 2], "min": ms[0], "max": ms[-1]}
+        for name, fn in fns.items():
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(1e3 * (time.perf_counter() - start))
+            cpu[name].append(1e3 * (time.process_time() - start_cpu))
+    stats = {}
+    for name in fns:
+        w, c = sorted(wall[name]), sorted(cpu[name])
+        stats[name] = {"median": w[len(w) // 2], "min": w[0], "max": w[-1],
+                       "cpu": {"median": c[len(c) // 2], "min": c[0], "max": c[-1]}}
+    return results, stats
 
 
 def hierarchy_section(model: CostModel, rank_counts: list[int], cache: str, repeats: int = 3,
                       greedy_up_to: int = 8192) -> list[dict]:
-    """``hierarchical`` at 8K-100K ranks: the whole solve, one rank's own part (what each rank
-    runs every step), and ``greedy`` over the whole batch where it still fits (up to
-    ``greedy_up_to`` ranks), against the equal-count bound."""
-    print(f"\n(c) hierarchical (hosts of 8 ranks) at scale, {PER_RANK} samples per rank: imbalance / ms "
-          f"(median of {repeats})")
-    print(f"{'lengths':<10}{'ranks':>7}{'samples':>9}{'bound':>8}{'hierarchical':>20}{'one rank':>12}{'greedy':>20}")
+    """``hierarchical`` at 8K-100K ranks: the whole solve and one rank's view (what each rank
+    runs every step), timed alternately, and ``greedy`` over the whole batch where it still
+    fits (up to ``greedy_up_to`` ranks), against the equal-count bound."""
+    print(f"\n(c) hierarchical (hosts of 8 ranks) at scale, {PER_RANK} samples per rank: imbalance / wall ms "
+          f"(median of {repeats}, whole and view alternately)")
+    print(f"{'lengths':<10}{'ranks':>7}{'samples':>9}{'bound':>8}{'hierarchical':>20}{'one view':>12}{'greedy':>20}")
     rows = []
     for dist_name, draw in distributions(cache).items():
         for ranks in rank_counts:
             lengths = draw(ranks * PER_RANK, np.random.default_rng(ranks))
             costs = model.cost(lengths, np.full(len(lengths), CANDIDATES))
             bound = max(lower_bound(costs, ranks), equal_count_bound(costs, ranks))
-            parts, whole_ms = _timed(lambda: hierarchical(costs, ranks), repeats)
-            _, rank_ms = _timed(lambda: hierarchical_rank(costs, ranks, ranks - 1), repeats)
+            rank = ranks // 2
+            own = np.arange(rank * PER_RANK, (rank + 1) * PER_RANK)  # the samples it sends
+            results, ms = _timed_alternately({"whole": lambda: hierarchical(costs, ranks),
+                                              "view": lambda: hierarchical_view(costs, ranks, rank, own)}, repeats)
+            parts, whole_ms, rank_ms = results["whole"], ms["whole"], ms["view"]
+            if not np.array_equal(results["view"].part, parts[rank]):
+                raise SystemExit(f"hierarchical_view disagrees with the whole solve ({dist_name}, {ranks} ranks)")
             row = {"lengths": dist_name, "ranks": ranks, "samples": len(costs), "bound": bound,
                    "hierarchical": {"imbalance": imbalance(costs, parts), "ms": whole_ms},
-                   "hierarchical_rank": {"ms": rank_ms}}
+                   "hierarchical_view": {"ms": rank_ms}}
             cell = "-"
             if ranks <= greedy_up_to:
-                g, g_ms = _timed(lambda: greedy(costs, ranks), max(1, repeats // 2))
+                g, g_ms = _timed_alternately({"greedy": lambda: greedy(costs, ranks)}, max(1, repeats // 2))
+                g, g_ms = g["greedy"], g_ms["greedy"]
                 row["greedy"] = {"imbalance": imbalance(costs, g), "ms": g_ms}
                 cell = f"{row['greedy']['imbalance']:.4f}/{g_ms['median']:.0f}"
             h = row["hierarchical"]
             print(f"{dist_name:<10}{ranks:>7}{len(costs):>9}{bound:>8.4f}"
                   f"{h['imbalance']:>11.4f}/{whole_ms['median']:<8.0f}{rank_ms['median']:>8.0f} ms{cell:>20}"
-                  f"   ({h['imbalance'] / bound - 1:+.2%} of the bound)", flush=True)
+                  f"   ({h['imbalance'] / bound - 1:+.2%} of the bound; CPU ms whole {whole_ms['cpu']['median']:.0f}, "
+                  f"view {rank_ms['cpu']['median']:.0f})", flush=True)
             rows.append(row)
     return rows
 
@@ -185,7 +203,8 @@ def train_once(ranks: int, partition: str, steps: int, run_dir: str) -> dict:
     with open(os.path.join(run_dir, "report", "report.json")) as f:
         summary = json.load(f)["summary"]
     return {"straggler_pct": summary["straggler_pct"], "step_ms": summary["step_ms"],
-            "bubble_fraction": summary["bubble_fraction"], "exposed_comm_ms_per_step": summary["exposed_comm_ms_per_step"]}
+            "bubble_fraction": summary["bubble_fraction"], "exposed_comm_ms_per_step": summary["exposed_comm_ms_per_step"],
+            "data_wait_ms_per_step": summary["data_wait_ms_per_step"]}
 
 
 def training_section(model: CostModel, rank_counts: list[int], repeats: int, steps: int) -> list[dict]:
@@ -204,7 +223,7 @@ def training_section(model: CostModel, rank_counts: list[int], repeats: int, ste
                     runs[p].append(r)
                     progress.update()
                     say(progress, f"  rep {rep} {p:<15} straggler {r['straggler_pct']:6.2f}% | step {r['step_ms']:7.1f} ms"
-                        f" | bubble fraction {r['bubble_fraction']:.3f}")
+                        f" | bubble fraction {r['bubble_fraction']:.3f} | data wait {r['data_wait_ms_per_step']:.2f} ms")
         progress.close()
         base = runs["contiguous"]
         mean = lambda rs, k: float(np.mean([r[k] for r in rs]))
@@ -238,18 +257,22 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts for the training section")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--skip-training", action="store_true", help="only the partition section")
+    parser.add_argument("--skip-training", action="store_true", help="only the partition sections")
+    parser.add_argument("--only-hierarchy", action="store_true", help="only section (c), hierarchical at scale")
+    parser.add_argument("--hierarchy-ranks", type=int, nargs="+", default=[8192, 32768, 100000],
+                        help="rank counts of section (c)")
     parser.add_argument("--cache", default=os.path.join(REPO, "runs", "cache"), help="where the ML-100K wheel is kept")
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_balance.json"))
     args = parser.parse_args()
 
     started = time.time()
     model = ensure_cost_model()
-    result = {"cost_model": {k: getattr(model, k) for k in "abcd"},
-              "partitions": partition_section(model, [8, 32, 128, 256, 1024], args.cache, args.repeats)}
-    result["scale_check"] = scale_check(result["partitions"])
-    result["hierarchy"] = hierarchy_section(model, [8192, 32768, 100000], args.cache, args.repeats)
-    if not args.skip_training:
+    result = {"cost_model": {k: getattr(model, k) for k in "abcd"}}
+    if not args.only_hierarchy:
+        result["partitions"] = partition_section(model, [8, 32, 128, 256, 1024], args.cache, args.repeats)
+        result["scale_check"] = scale_check(result["partitions"])
+    result["hierarchy"] = hierarchy_section(model, args.hierarchy_ranks, args.cache, args.repeats)
+    if not (args.skip_training or args.only_hierarchy):
         result["training"] = training_section(model, args.ranks, args.repeats, args.steps)
     result["seconds"] = round(time.time() - started, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

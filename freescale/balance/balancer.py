@@ -3,17 +3,27 @@
 Protocol, per global batch ``k`` (each rank starts from its contiguous slice, in time order):
 
 I.   all-gather every rank's per-sample (UIH length, candidate count, labels per candidate);
-II.  every rank computes the same partition of the global batch from the calibrated cost
-     (``cost(L, C)``, pure and deterministic, so no rank needs to be told the result);
+II.  every rank solves the partition of the global batch from the calibrated cost
+     (``cost(L, C)``, pure and deterministic, so no rank needs to be told the result), as far
+     as it needs it: its own part and the ranks its own samples go to (``RANK_VIEWS``:
+     ``hierarchical`` solves the host split and only the hosts involved, the others the whole
+     partition), the same on every rank as the whole partition;
 III. all-to-all the samples (meta, UIH ids and times, candidate ids and times, labels) to their
      new ranks. Split sizes follow from (I) and (II), so no size exchange precedes the payload.
 
 Rank ``r`` receives its samples grouped by source rank, each group in the source's order;
 sources are consecutive slices of the global batch, so the result is in global time order.
 
-Prefetch: ``batches()`` keeps one batch ahead. While the trainer computes batch ``k``, the
-all-to-all of ``k+1`` and the all-gather of ``k+2`` are in flight on the balancer's own
-process group (gloo runs them on its threads), and the next call only waits for them.
+Read-ahead: ``batches()`` runs the three stages off the trainer's main thread, on the
+balancer's own thread (``CollectiveReadAhead``), batch after batch, starting batch ``k`` once
+training has taken batch ``k - read_ahead``; the loader's iterator is read on that thread too.
+The main thread only takes finished batches: its wait is the timeline's ``data`` span (the
+bubble report's data wait), and the stages are the ``balance`` range of a profiler trace, on
+the thread ``freescale-balancer``. The thread issues the collectives, a batch at a time, on the
+balancer's own process group, in the same order on every rank; closing lets it finish the
+batches its window still allows, so every rank stops after the same batch (see
+``freescale.balance.read_ahead``). An error on the thread (a failed collective, the loader's)
+is raised by the ``next()`` that wants that batch, as itself.
 
 With ``vbs`` ranks get unequal sample counts. Each rank's mean loss is then multiplied by
 ``ranks * local_candidates / global_candidates``: DDP averages gradients over ranks, so the
@@ -30,7 +40,8 @@ import numpy as np
 import torch
 
 from freescale.balance.cost import CostModel
-from freescale.balance.partition import PARTITIONS
+from freescale.balance.partition import RANK_VIEWS
+from freescale.balance.read_ahead import CollectiveReadAhead
 from freescale.data.batch import Batch, Samples
 from freescale.profile.timeline import phase
 
@@ -39,14 +50,16 @@ _META = 5  # sample id, user id, UIH length, candidate count, stream position
 
 class Balancer:
     def __init__(self, partition: str, cost_model: CostModel, transport, *, user_hash_size: int,
-                 normalize_loss: bool) -> None:
-        self.partition = PARTITIONS[partition]
+                 normalize_loss: bool, read_ahead: int = 2) -> None:
+        self.view = RANK_VIEWS[partition]
         self.cost_model = cost_model
         self.transport = transport
         self.rank = transport.rank
         self.world_size = transport.world_size
         self.user_hash_size = user_hash_size
         self.normalize_loss = normalize_loss
+        self.read_ahead = read_ahead
+        self._ahead: CollectiveReadAhead | None = None
 
     # The three stages ----------------------------------------------------------------------
 
@@ -57,20 +70,17 @@ class Balancer:
         return self.transport.all_gather(torch.from_numpy(sizes))
 
     def plan(self, global_sizes: np.ndarray, local_count: int) -> "_Plan":
-        """Stage II: the partition, and what this rank sends to and receives from each rank."""
+        """Stage II: this rank's view of the partition, and what it sends to and receives from each rank."""
         L, C, K = global_sizes[:, 0], global_sizes[:, 1], global_sizes[:, 2]
-        parts = self.partition(self.cost_model.cost(L, C), self.world_size)
-        owner = np.empty(len(L), dtype=np.int64)
-        for r, p in enumerate(parts):
-            owner[p] = r
         counts = self._slice_counts(len(L), local_count)
+        mine = np.arange(int(counts[: self.rank].sum()), int(counts[: self.rank + 1].sum()))
+        view = self.view(self.cost_model.cost(L, C), self.world_size, self.rank, mine)
         source = np.repeat(np.arange(self.world_size), counts)
         words = _META + 2 * L + (2 + K) * C
-        mine = slice(int(counts[: self.rank].sum()), int(counts[: self.rank + 1].sum()))
-        send_owner = owner[mine]
+        send_owner = view.owners
         send_order = np.argsort(send_owner, kind="stable")
         input_splits = np.bincount(send_owner, weights=words[mine], minlength=self.world_size).astype(np.int64)
-        recv = owner == self.rank
+        recv = view.part  # ascending: global time order
         output_splits = np.bincount(source[recv], weights=words[recv], minlength=self.world_size).astype(np.int64)
         return _Plan(send_order=send_order, send_counts=np.bincount(send_owner, minlength=self.world_size),
                      input_splits=input_splits.tolist(), output_splits=output_splits.tolist(),
@@ -84,36 +94,47 @@ class Balancer:
         return _Exchange(handle, plan)
 
     def close(self) -> None:
-        """Close the transport (collectives still in flight fail)."""
-        self.transport.close()
+        """Stop the read-ahead (it finishes the batches every rank starts), then close the
+        transport (collectives still in flight fail)."""
+        try:
+            if self._ahead is not None:
+                self._ahead.close()
+        finally:
+            self.transport.close()
 
     def rebalance(self, local: Samples) -> tuple[Samples, float]:
-        """All three stages, synchronously: this rank's new samples and loss scale."""
+        """All three stages, synchronously, on the calling thread: this rank's new samples and
+        loss scale (not while ``batches()`` runs: two threads would issue on one group)."""
+        if self._ahead is not None:
+            raise RuntimeError("balancer: rebalance() while batches() runs on the balancer's thread")
         sizes = self.gather_sizes(local).wait().numpy()
         plan = self.plan(sizes, len(local))
         return self.exchange(local, plan).wait(), plan.scale
 
-    # Prefetching iterator ------------------------------------------------------------------
+    # Read-ahead ----------------------------------------------------------------------------
 
-    def batches(self, local_batches: Iterator[tuple[int, Samples]]) -> Iterator[Batch]:
-        """Balanced Batches of the loader's (index, samples), one batch exchanged ahead."""
-        def start_gather():
-            k, local = next(local_batches)
-            return k, local, self.gather_sizes(local)
+    def batches(self, local_batches: Iterator[tuple[int, Samples]]) -> CollectiveReadAhead[Batch]:
+        """Balanced Batches of the loader's (index, samples), made on the balancer's thread up to
+        ``read_ahead`` ahead of the one taken (see the module docstring); ``close()`` stops it."""
+        if self._ahead is not None:
+            raise RuntimeError("balancer: batches() is already running (one stream per balancer)")
 
-        gathering = start_gather()
-        exchanging = None
-        while True:
-            k, local, gather = gathering
-            with phase("balance"):
-                plan = self.plan(gather.wait().numpy(), len(local))
-                started = (k, self.exchange(local, plan))
-            gathering = start_gather()
-            if exchanging is not None:
-                yield self._finish(*exchanging)
-            exchanging = started
+        def next_batch() -> Batch:
+            k, local = next(local_batches)  # (StopIteration: the stream ended, and so do the batches)
+            return self._balance(k, local)
+
+        self._ahead = CollectiveReadAhead(next_batch, self.read_ahead, abort=self.transport.abort,
+                                          name="freescale-balancer")
+        return self._ahead
 
     # Helpers -------------------------------------------------------------------------------
+
+    def _balance(self, k: int, local: Samples) -> Batch:
+        """The three stages for global batch ``k``, on the calling thread."""
+        with phase("balance"):
+            plan = self.plan(self.gather_sizes(local).wait().numpy(), len(local))
+            exchange = self.exchange(local, plan)
+        return self._finish(k, exchange)
 
     def _finish(self, k: int, exchange: "_Exchange") -> Batch:
         samples = exchange.wait()
@@ -216,4 +237,4 @@ def build_balancer(cfg, transport_cfg, cost_model: CostModel, *, group, user_has
     from freescale.transport.registry import build_transport
 
     return Balancer(cfg.partition, cost_model, build_transport(transport_cfg, new_group_like(group)),
-                    user_hash_size=user_hash_size, normalize_loss=cfg.partition == "vbs")
+                    user_hash_size=user_hash_size, normalize_loss=cfg.partition == "vbs", read_ahead=cfg.read_ahead)

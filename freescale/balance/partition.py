@@ -38,18 +38,28 @@ at least as many samples as ranks. Selected by name from ``PARTITIONS``:
   8K, 32K and 100K ranks of 64 samples, under a second for 100K ranks' whole batch, one
   rank's own part in under half a second (``scripts/bench_balance.py``, section (c)).
   What makes it scale: the host split is cheap and the same on every rank, and a rank needs
-  only its own host's within-host solve, not all of them: ``hierarchical_host`` (one host's
+  only a few hosts' within-host solves, not all of them: ``hierarchical_host`` (one host's
   ranks) and ``hierarchical_rank`` (one rank) give the same parts as the whole solve at
   less than half its time at 100K ranks (the sort of the costs is most of what remains),
   and ``host_split`` each sample's host, what a rank needs to send its samples through the
-  hosts first (with one all-to-all straight to the ranks, a sender needs the within-host
-  solves of the hosts its samples go to as well).
+  hosts first. With one all-to-all straight to the ranks, as the balancer sends, a sender
+  also needs the ranks its own samples go to: ``hierarchical_view`` looks up those samples'
+  hosts and solves them beside its own (at most ``batch_size + 1`` hosts of 12,500 at 100K
+  ranks).
+
+What a rank runs: ``RANK_VIEWS`` gives, per name, ``(costs, ranks, rank, asked) -> RankView``,
+the rank's own part and the ranks of the samples it sends, the same as the whole partition
+gives them. Only ``hierarchical`` is split (``hierarchical_view``). The others are the whole
+partition on every rank (``whole_view``): ``contiguous`` has nothing to solve, ``zigzag``'s one
+sort is its whole cost, and ``greedy``, ``karmarkar_karp`` and ``vbs`` place every sample by
+the loads of every rank (and swap between any two), so no rank's part is known before all are.
 """
 
 from __future__ import annotations
 
 import heapq
-from typing import Callable
+from functools import cached_property
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -69,6 +79,15 @@ def _equal_counts(n: int, ranks: int) -> np.ndarray:
     return counts
 
 
+class RankView(NamedTuple):
+    """What one rank needs of a global batch's partition to exchange its samples."""
+
+    part: np.ndarray
+    """The rank's own samples, ascending: ``parts[rank]`` of the whole partition."""
+    owners: np.ndarray
+    """The rank each of the samples asked about goes to (the rank's own, to send them)."""
+
+
 def _from_owner(owner: np.ndarray, ranks: int) -> list[np.ndarray]:
     """Per-rank ascending indices from a sample -> rank assignment."""
     order = np.argsort(owner, kind="stable")
@@ -77,12 +96,14 @@ def _from_owner(owner: np.ndarray, ranks: int) -> list[np.ndarray]:
 
 
 def contiguous(costs, ranks: int) -> list[np.ndarray]:
+    """Consecutive runs of equal size. Not split per rank: it is closed form, there is nothing to solve."""
     costs = _check(costs, ranks)
     bounds = np.concatenate([[0], np.cumsum(_equal_counts(len(costs), ranks))])
     return [np.arange(bounds[r], bounds[r + 1]) for r in range(ranks)]
 
 
 def zigzag(costs, ranks: int) -> list[np.ndarray]:
+    """Snake order over the costs sorted once. Not split per rank: that sort is its whole cost."""
     costs = _check(costs, ranks)
     order = np.argsort(-costs, kind="stable")
     pos = np.arange(len(costs))
@@ -93,6 +114,8 @@ def zigzag(costs, ranks: int) -> list[np.ndarray]:
 
 
 def karmarkar_karp(costs, ranks: int) -> list[np.ndarray]:
+    """Largest differencing, then swaps. Cannot be split per rank: every merge pairs subsets by
+    their sums over all ranks, and the swaps pair any two ranks."""
     costs = _check(costs, ranks)
     n = len(costs)
     if n == 0:
@@ -125,6 +148,8 @@ def karmarkar_karp(costs, ranks: int) -> list[np.ndarray]:
 
 
 def greedy(costs, ranks: int) -> list[np.ndarray]:
+    """Largest first to the least loaded rank with room, then swaps. Cannot be split per rank:
+    each sample's rank depends on the loads of all ranks, and the swaps pair any two ranks."""
     costs = _check(costs, ranks)
     return _members_to_parts(_refine_by_swaps(costs, _greedy_members(costs, ranks)), len(costs), ranks)
 
@@ -287,6 +312,8 @@ def _swap_in_rounds(members: np.ndarray, values: np.ndarray, loads: np.ndarray, 
 
 
 def vbs(costs, ranks: int) -> list[np.ndarray]:
+    """Largest first to the least loaded rank, unequal counts. Cannot be split per rank: each
+    sample's rank depends on the loads of all ranks."""
     costs = _check(costs, ranks)
     order = np.argsort(-costs, kind="stable")
     owner = np.empty(len(costs), dtype=np.int64)
@@ -347,6 +374,28 @@ def hierarchical_rank(costs, ranks: int, rank: int, ranks_per_host: int = RANKS_
         raise ValueError(f"hierarchical_rank: rank must be an integer in [0, {ranks}), got {rank!r}")
     per_host = _check_per_host(ranks_per_host)
     return hierarchical_host(costs, ranks, int(rank) // per_host, per_host)[int(rank) % per_host]
+
+
+def hierarchical_view(costs, ranks: int, rank: int, asked, ranks_per_host: int = RANKS_PER_HOST) -> RankView:
+    """``rank``'s part and the owners of ``asked`` (the samples ``rank`` sends), the same as
+    ``hierarchical(...)`` gives them: the host split, then the within-host solves of only the
+    hosts involved, ``rank``'s own and those ``asked`` are dealt to (at most ``len(asked) + 1``
+    of them; each sample's host is looked up, not computed for the whole batch)."""
+    if isinstance(rank, bool) or not isinstance(rank, (int, np.integer)) or not 0 <= rank < ranks:
+        raise ValueError(f"hierarchical_view: rank must be an integer in [0, {ranks}), got {rank!r}")
+    plan = _HostPlan(costs, ranks, ranks_per_host)
+    asked = np.asarray(asked, dtype=np.int64).reshape(-1)
+    if len(asked) and not 0 <= asked.min() <= asked.max() < plan.n:
+        raise ValueError(f"hierarchical_view: asked samples must be indices in [0, {plan.n})")
+    P, own = plan.per_host, int(rank) // plan.per_host
+    hosts = np.union1d([own], plan.hosts_of(plan.positions(asked)))
+    members = plan.members(hosts)  # [host, rank of the host] rows, host-major
+    mine = np.sort(members[np.searchsorted(hosts, own) * P + int(rank) % P])[:plan.counts[rank]].astype(np.int64)
+    rows = np.broadcast_to((hosts[:, None] * P + np.arange(P)[None, :]).reshape(-1, 1), members.shape)
+    placed = members < plan.n
+    samples, owner = members[placed].astype(np.int64), rows[placed]
+    by_sample = np.argsort(samples, kind="stable")
+    return RankView(part=mine, owners=owner[by_sample[np.searchsorted(samples[by_sample], asked)]])
 
 
 def host_split(costs, ranks: int, ranks_per_host: int = RANKS_PER_HOST) -> np.ndarray:
@@ -439,7 +488,7 @@ class _HostPlan:
     the saturated ones (which stay above the other ranks' level whatever they are given),
     dealt over them largest first to the least loaded; for the others, a run of consecutive
     samples (a window) that brings the anchor up to at most that level. The rest, the middle,
-    is dealt over the hosts in proportion to their ranks without an anchor (``_deal``), and
+    is dealt over the hosts in proportion to their ranks without an anchor (``_Deal``), and
     within each host over those ranks (``_within_hosts``).
     """
 
@@ -459,6 +508,7 @@ class _HostPlan:
         cnt = np.zeros(H * P, dtype=np.int64)
         cnt[:ranks] = self.counts
         self.cnt = cnt = cnt.reshape(H, P)  # samples per (host, rank of the host); 0 beyond the last rank
+        self.costs = costs
         self.order, self.y = _descending(costs)
         y = self.y
         count = n // ranks
@@ -508,11 +558,22 @@ class _HostPlan:
         self.free[self.anchor_host, self.anchor_rank] = 0
         self.free_ranks = self.host_ranks - np.bincount(self.anchor_host, minlength=H)
 
+    @cached_property
+    def middle_deal(self) -> "_Deal":
+        """The middle over the hosts, in proportion to their ranks without an anchor."""
+        return _Deal(self.y[self.middle[:-1]], self.free.sum(axis=1), np.maximum(self.free_ranks, 1),
+                     np.zeros(self.hosts))
+
+    @cached_property
+    def companion_deal(self) -> "_Deal":
+        """The smallest samples over the saturated anchors (each anchor a "host" of the deal)."""
+        saturated = self.saturated
+        return _Deal(self.y[self.n - self.reserved:self.n], self.anchor_room[:saturated], np.ones(saturated),
+                     self.y[:saturated].copy())
+
     def middle_blocks(self, hosts: np.ndarray) -> np.ndarray:
         """The middle's positions [slots, len(hosts)], decreasing cost down a column; n: none."""
-        middle = self.middle[:-1]
-        pos = _deal(self.y[middle], self.free.sum(axis=1), np.maximum(self.free_ranks, 1), np.zeros(self.hosts), hosts, 0)
-        return self.middle[pos]
+        return self.middle[self.middle_deal.blocks(hosts, 0)]
 
     def anchor_rows(self, hosts: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The anchors on ``hosts``: (their index into ``hosts``, their rank of the host, their
@@ -525,8 +586,7 @@ class _HostPlan:
         rows[:, 0] = mine
         sat = mine[mine < saturated]
         if len(sat):
-            comp = _deal(self.y[self.n - self.reserved:self.n], self.anchor_room[:saturated], np.ones(saturated),
-                         self.y[:saturated].copy(), sat, self.n - self.reserved)
+            comp = self.companion_deal.blocks(sat, self.n - self.reserved)
             rows[:len(sat), 1:comp.shape[0] + 1] = np.where(comp >= 0, comp, self.n).T
         big = mine[mine >= saturated]
         if len(big):
@@ -558,82 +618,168 @@ class _HostPlan:
         host[self.order[rows[valid]]] = np.broadcast_to(at[:, None], rows.shape)[valid]
         return host
 
+    def positions(self, samples: np.ndarray) -> np.ndarray:
+        """Where each of ``samples`` sits in ``order``: bisections of ``y`` for its cost (as
+        ``_descending`` kept it), then of its run of equal costs (increasing indices) for it."""
+        n = self.n
+        value = self.costs[samples]
+        bits = max(1, (n - 1).bit_length())
+        if bits <= 40:
+            value = (value.view(np.int64) & ~np.int64((1 << bits) - 1)).view(np.float64)
+        first = _count_descending(self.y[:n], value, strictly=True)  # costs above it
+        end = _count_descending(self.y[:n], value, strictly=False)  # costs at least it
+        return np.array([lo + int(np.searchsorted(self.order[lo:hi], s)) for s, lo, hi in
+                         zip(samples.tolist(), first.tolist(), end.tolist())], dtype=np.int64)
 
-def _deal(values: np.ndarray, capacity: np.ndarray, weight: np.ndarray, load: np.ndarray, hosts: np.ndarray,
-          offset: int) -> np.ndarray:
-    """Positions (``offset`` + index into ``values``, decreasing costs) per host: [slots, len(hosts)], -1 pads.
+    def hosts_of(self, positions: np.ndarray) -> np.ndarray:
+        """The host of each of ``positions``: an anchor's own, a companion's anchor's, or where
+        the middle's deal put it (what ``host_of`` gives, for a few samples)."""
+        n, saturated, anchors = self.n, self.saturated, self.anchors
+        host = np.full(len(positions), -1, dtype=np.int64)
+        anchor = positions < anchors
+        host[anchor] = self.anchor_host[positions[anchor]]
+        reserved = ~anchor & (positions >= n - self.reserved)
+        if reserved.any():
+            host[reserved] = self.anchor_host[self.companion_deal.hosts_at(positions[reserved] - (n - self.reserved))]
+        size = self.anchor_room[saturated:anchors]
+        if (size > 0).any():  # the windows, [top, top + size) each: disjoint
+            top = n - self.window - size
+            by_top = np.flatnonzero(size > 0)
+            by_top = by_top[np.argsort(top[by_top], kind="stable")]
+            j = by_top[np.maximum(np.searchsorted(top[by_top], positions, side="right") - 1, 0)]
+            inside = (host < 0) & ~reserved & (top[j] <= positions) & (positions < top[j] + size[j])
+            host[inside] = self.anchor_host[saturated + j[inside]]
+        rest = np.flatnonzero(host < 0)
+        if len(rest):
+            at = np.searchsorted(self.middle, positions[rest])
+            if not np.array_equal(self.middle[at], positions[rest]):
+                raise AssertionError("hierarchical: a position is neither an anchor's, a companion's nor the middle's")
+            host[rest] = self.middle_deal.hosts_at(at)
+        return host
+
+
+class _Deal:
+    """A deal of ``values`` (decreasing costs) over hosts: ``blocks`` gives hosts' positions,
+    ``hosts_at`` the hosts of given positions.
 
     Each host takes ``capacity`` samples, spread evenly over ``max(capacity)`` rounds (a host
     with a full capacity takes one in every round). Rounds deal consecutive samples: the
     first ``LPT_ROUNDS`` by load per ``weight`` (the largest of the round to the least loaded
     host, re-sorted after every round; ``load`` to start from), the rest in snake order over
-    the last order (forwards, backwards, ...), which a host can compute for itself.
+    the last order (forwards, backwards, ...), which a host can compute for itself. The
+    load-ordered rounds are replayed once, when the deal is made, and kept for both questions.
     """
-    H = len(capacity)
-    T = int(capacity.max()) if H else 0
-    out = np.full((T, len(hosts)), -1, dtype=np.int64)
-    if T == 0:
-        return out
-    active = np.flatnonzero(capacity > 0)
-    caps, group = np.unique(capacity[active], return_inverse=True)
-    G = len(caps)
-    share = np.arange(T + 1)[None, :] * caps[:, None] // T  # [group, round]: samples taken before the round
-    takes = share[:, 1:] > share[:, :-1]
-    per_round = np.bincount(group, minlength=G) @ takes
-    start = np.concatenate([[0], np.cumsum(per_round)])
-    head = min(LPT_ROUNDS, T)
-    inv_weight = 1.0 / weight[active]
-    norm = load[active] * inv_weight
-    order = np.argsort(norm, kind="stable")
-    whole = len(hosts) == H  # (then hosts is every host, in order)
-    head_pos = np.full((0 if whole else head, len(active)), -1, dtype=np.int64)
-    for t in range(head):
-        p = order if G == 1 else order[takes[group[order], t]]
+
+    def __init__(self, values: np.ndarray, capacity: np.ndarray, weight: np.ndarray, load: np.ndarray) -> None:
+        self.hosts = H = len(capacity)
+        self.rounds = T = int(capacity.max()) if H else 0
+        if T == 0:
+            return
+        self.active = active = np.flatnonzero(capacity > 0)
+        caps, self.group = np.unique(capacity[active], return_inverse=True)
+        self.groups = G = len(caps)
+        self.share = share = np.arange(T + 1)[None, :] * caps[:, None] // T  # [group, round]: samples taken before the round
+        self.takes = takes = share[:, 1:] > share[:, :-1]
+        self.per_round = per_round = np.bincount(self.group, minlength=G) @ takes
+        self.start = start = np.concatenate([[0], np.cumsum(per_round)])
+        self.head = head = min(LPT_ROUNDS, T)
+        inv_weight = 1.0 / weight[active]
+        norm = load[active] * inv_weight
+        order = np.argsort(norm, kind="stable")
+        self.head_order = []  # per load-ordered round: its participants (into ``active``), least loaded first
+        for t in range(head):
+            p = self._taking(order, t)
+            self.head_order.append(p)
+            norm[p] += values[start[t]:start[t + 1]] * inv_weight[p]
+            order = order[np.argsort(norm[order], kind="stable")]
+        self.order = order  # the order the snake rounds go by
+
+    def _taking(self, order: np.ndarray, t: int) -> np.ndarray:
+        """The hosts of ``order`` (indices into ``active``) that take a sample in round ``t``."""
+        return order if self.groups == 1 else order[self.takes[self.group[order], t]]
+
+    def blocks(self, hosts: np.ndarray, offset: int) -> np.ndarray:
+        """Positions (``offset`` + index into ``values``) per host: [slots, len(hosts)], -1 pads."""
+        T, H = self.rounds, self.hosts
+        out = np.full((T, len(hosts)), -1, dtype=np.int64)
+        if T == 0:
+            return out
+        G = self.groups
+        active, group, share, takes, start, head = self.active, self.group, self.share, self.takes, self.start, self.head
+        per_round, order = self.per_round, self.order
+        whole = len(hosts) == H  # (then hosts is every host, in order)
         if whole:
-            out[t if G == 1 else share[group[p], t], active[p]] = np.arange(offset + start[t], offset + start[t + 1])
-        else:
+            for t in range(T):
+                if t < head:
+                    p = self.head_order[t]
+                else:  # the snake rounds
+                    p = self._taking(order, t)
+                    p = p if (t - head) % 2 == 0 else p[::-1]
+                out[t if G == 1 else share[group[p], t], active[p]] = np.arange(offset + start[t], offset + start[t + 1])
+            return out
+        head_pos = np.full((head, len(active)), -1, dtype=np.int64)
+        for t, p in enumerate(self.head_order):
             head_pos[t, p] = np.arange(start[t], start[t + 1])
-        norm[p] += values[start[t]:start[t + 1]] * inv_weight[p]
-        order = order[np.argsort(norm[order], kind="stable")]
-    if whole:  # the snake rounds one at a time
+        # Some hosts (a host's own solve): the snake rounds in closed form, per round the host's place.
+        index = np.full(H, -1, dtype=np.int64)
+        index[active] = np.arange(len(active))
+        which = index[hosts]
+        keep = np.flatnonzero(which >= 0)
+        which = which[keep]
+        place = np.empty(len(active), dtype=np.int64)
+        place[order] = np.arange(len(active))
+        tail = np.arange(head, T)
         if G == 1:
-            forward, backward = order, order[::-1]
-        for t in range(head, T):
-            if G > 1:
-                forward = order[takes[group[order], t]]
-                backward = forward[::-1]
-            p = forward if (t - head) % 2 == 0 else backward
-            out[t if G == 1 else share[group[p], t], active[p]] = np.arange(offset + start[t], offset + start[t + 1])
+            ahead = np.broadcast_to(place[which], (len(tail), len(which)))
+        else:  # participants ahead in the order, per round: per group, those ahead times whether the group takes
+            ahead_by_group = np.zeros((G, len(active) + 1))
+            ahead_by_group[:, 1:] = np.cumsum(group[order][None, :] == np.arange(G)[:, None], axis=1)
+            ahead = (takes[:, head:].T.astype(np.float64) @ ahead_by_group[:, place[which]]).astype(np.int64)
+        forward = ((tail - head) % 2 == 0)[:, None]
+        tail_pos = start[head:T][:, None] + np.where(forward, ahead, per_round[head:][:, None] - 1 - ahead)
+        if G > 1:
+            tail_pos = np.where(takes[group[which]][:, head:].T, tail_pos, -1)
+        by_round = np.concatenate([head_pos[:, which], tail_pos])
+        taken = by_round >= 0
+        by_round[taken] += offset
+        if G == 1:
+            out[:, keep] = by_round
+            return out
+        slot = share[group[which], :T].T  # a host's t-th round fills its slot share(t)
+        column = np.broadcast_to(keep, by_round.shape)
+        out[slot[taken], column[taken]] = by_round[taken]
         return out
-    # Some hosts (a host's own solve): the snake rounds in closed form, per round the host's place.
-    index = np.full(H, -1, dtype=np.int64)
-    index[active] = np.arange(len(active))
-    which = index[hosts]
-    keep = np.flatnonzero(which >= 0)
-    which = which[keep]
-    place = np.empty(len(active), dtype=np.int64)
-    place[order] = np.arange(len(active))
-    tail = np.arange(head, T)
-    if G == 1:
-        ahead = np.broadcast_to(place[which], (len(tail), len(which)))
-    else:  # participants ahead in the order, per round: per group, those ahead times whether the group takes
-        ahead_by_group = np.zeros((G, len(active) + 1))
-        ahead_by_group[:, 1:] = np.cumsum(group[order][None, :] == np.arange(G)[:, None], axis=1)
-        ahead = (takes[:, head:].T.astype(np.float64) @ ahead_by_group[:, place[which]]).astype(np.int64)
-    forward = ((tail - head) % 2 == 0)[:, None]
-    tail_pos = start[head:T][:, None] + np.where(forward, ahead, per_round[head:][:, None] - 1 - ahead)
-    if G > 1:
-        tail_pos = np.where(takes[group[which]][:, head:].T, tail_pos, -1)
-    by_round = np.concatenate([head_pos[:, which], tail_pos])
-    taken = by_round >= 0
-    by_round[taken] += offset
-    if G == 1:
-        out[:, keep] = by_round
+
+    def hosts_at(self, positions: np.ndarray) -> np.ndarray:
+        """The host each of ``positions`` (indices into ``values``) is dealt to."""
+        positions = np.asarray(positions, dtype=np.int64)
+        out = np.empty(len(positions), dtype=np.int64)
+        if len(positions) == 0:
+            return out
+        rounds = np.searchsorted(self.start, positions, side="right") - 1
+        for t in np.unique(rounds).tolist():
+            if t < self.head:
+                p = self.head_order[t]
+            else:
+                p = self._taking(self.order, t)
+                p = p if (t - self.head) % 2 == 0 else p[::-1]
+            at = rounds == t
+            out[at] = self.active[p[positions[at] - self.start[t]]]
         return out
-    slot = share[group[which], :T].T  # a host's t-th round fills its slot share(t)
-    column = np.broadcast_to(keep, by_round.shape)
-    out[slot[taken], column[taken]] = by_round[taken]
-    return out
+
+
+def _count_descending(y: np.ndarray, values: np.ndarray, strictly: bool) -> np.ndarray:
+    """Per value, how many entries of the non-increasing ``y`` are above it (``strictly``) or at
+    least it: ``searchsorted`` for a descending array, by bisection (no reversed copy of ``y``)."""
+    lo = np.zeros(len(values), dtype=np.int64)
+    hi = np.full(len(values), len(y), dtype=np.int64)
+    while (searching := lo < hi).any():
+        mid = (lo + hi) // 2
+        entry = y[np.minimum(mid, len(y) - 1)]
+        ahead = entry > values if strictly else entry >= values
+        lo = np.where(searching & ahead, mid + 1, lo)
+        hi = np.where(searching & ~ahead, mid, hi)
+    return lo
 
 
 def _within_hosts(block: np.ndarray, order: np.ndarray, y: np.ndarray, cnt: np.ndarray, width: int) -> np.ndarray:
@@ -688,6 +834,27 @@ PARTITIONS: dict[str, Callable[[np.ndarray, int], list[np.ndarray]]] = {
     "vbs": vbs,
     "hierarchical": hierarchical,
 }
+
+
+def whole_view(partition: Callable[[np.ndarray, int], list[np.ndarray]]):
+    """A partition function's ``RankView``, from the whole partition (for the functions that
+    cannot be split: every rank computes every rank's part)."""
+    def view(costs, ranks: int, rank: int, asked) -> RankView:
+        parts = partition(costs, ranks)
+        owner = np.empty(sum(len(p) for p in parts), dtype=np.int64)
+        for r, p in enumerate(parts):
+            owner[p] = r
+        return RankView(part=parts[rank], owners=owner[np.asarray(asked, dtype=np.int64)])
+
+    return view
+
+
+RANK_VIEWS: dict[str, Callable[[np.ndarray, int, int, np.ndarray], RankView]] = {
+    **{name: whole_view(fn) for name, fn in PARTITIONS.items()},
+    "hierarchical": hierarchical_view,
+}
+"""By partition name: ``(costs, ranks, rank, asked) -> RankView``, what the balancer runs on each
+rank (``hierarchical`` solves only the hosts the rank needs; the others the whole partition)."""
 
 
 def imbalance(costs, parts: list[np.ndarray]) -> float:

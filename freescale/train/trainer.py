@@ -214,7 +214,9 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     closing.callback(collector.close)
     samples = read_ahead(cursor.stream(), cfg.data.read_ahead)  # (decoded on a thread of its own)
     closing.callback(getattr(samples, "close", lambda: None))
-    batches = timeline.timed_batches(balancer.batches(samples))
+    balanced = balancer.batches(samples)  # (balanced on the balancer's thread, when it is on)
+    closing.callback(balanced.close)  # first: the balancer's thread may read samples to finish its window
+    batches = timeline.timed_batches(balanced)
     window = StepWindow()
     started = time.perf_counter()
     aside = 0.0  # seconds of evaluations and checkpoints inside the loop

@@ -43,19 +43,22 @@ def _check_rebalance(rank, world, partition):
             assert scale == pytest.approx(world * expected.cand_counts.sum() / global_samples.cand_counts.sum())
         else:
             assert scale == 1.0
-    # The prefetching iterator yields the same batches, in order.
-    batches = balancer.batches((k, src.samples_at(np.arange(k * world * B + rank * B, k * world * B + (rank + 1) * B)))
-                               for k in range(100))
-    # Its work is a profiler phase (``phase`` makes the torch.profiler range: tests/unit/test_progress.py).
+    # The read-ahead yields the same batches, in order. Its work is a profiler phase (``phase``
+    # makes the torch.profiler range: tests/unit/test_progress.py), on the balancer's thread.
+    import threading
+
     import freescale.balance.balancer as module
 
     seen, real = [], module.phase
-    module.phase = lambda kind: seen.append(kind) or real(kind)
+    module.phase = lambda kind: seen.append((kind, threading.current_thread().name)) or real(kind)
     try:
+        batches = balancer.batches((k, src.samples_at(np.arange(k * world * B + rank * B,
+                                                                k * world * B + (rank + 1) * B)))
+                                   for k in range(100))
         first = next(batches)
     finally:
         module.phase = real
-    assert "balance" in seen
+    assert seen and set(seen) == {("balance", "freescale-balancer")}
     for k in range(4):
         batch = first if k == 0 else next(batches)
         global_samples = src.samples_at(np.arange(k * world * B, (k + 1) * world * B))
@@ -68,6 +71,7 @@ def _check_rebalance(rank, world, partition):
         np.testing.assert_array_equal(batch.labels.numpy(), expected.labels)
         np.testing.assert_array_equal(batch.uih_timestamps.numpy(), expected.uih_timestamps)
         np.testing.assert_array_equal(batch.cand_timestamps.numpy(), expected.cand_timestamps)
+    balancer.close()  # (its thread issues on the default group too: stopped before the next collective)
     # Every sample of the global batch landed on exactly one rank.
     ids = torch.from_numpy(got.sample_ids)
     counts = torch.tensor([len(ids)])
@@ -77,13 +81,44 @@ def _check_rebalance(rank, world, partition):
 
 
 def _check_all_partitions(rank, world):
-    for partition in ("karmarkar_karp", "vbs", "zigzag", "contiguous"):
+    for partition in ("karmarkar_karp", "vbs", "zigzag", "contiguous", "hierarchical"):
         _check_rebalance(rank, world, partition)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_balancer_delivers_the_partition(world):
     run_ranks(world, _check_all_partitions)
+
+
+def _stop_together(rank, world):
+    """Rank 1's loader is slow, so when both ranks close after taking the same batches their
+    threads are at different places; both still stop after the same batch (they read the same
+    number of local batches), and no collective is left on the group that one rank issued and
+    the other never did (the next collective on it lines up)."""
+    import time
+
+    src = source()
+    pulled = []
+
+    def local():
+        for k in range(100):
+            if rank == 1:
+                time.sleep(0.05)
+            pulled.append(k)
+            yield k, src.samples_at(np.arange((k * world + rank) * B, (k * world + rank + 1) * B))
+
+    balancer = Balancer("greedy", CostModel(), TorchDistTransport(), user_hash_size=1000, normalize_loss=False,
+                        read_ahead=3)
+    batches = balancer.batches(local())
+    assert [int(next(batches).batch_index) for _ in range(2)] == [0, 1]
+    balancer.close()
+    counts = [None] * world
+    dist.all_gather_object(counts, len(pulled))
+    assert counts == [2 + 3] * world
+
+
+def test_closing_stops_every_ranks_thread_after_the_same_batch():
+    run_ranks(2, _stop_together)
 
 
 def _model():
@@ -102,6 +137,7 @@ def _vbs_grads(rank, world, out_path):
     balancer = Balancer("vbs", CostModel(), TorchDistTransport(), user_hash_size=1000, normalize_loss=True)
     local = ((k, src.samples_at(np.arange((k * world + rank) * B, (k * world + rank + 1) * B))) for k in range(3))
     batch = next(balancer.batches(local))  # global batch 0
+    balancer.close()
     model = _model()
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     loss, _ = ddp(batch)

@@ -14,7 +14,7 @@ from helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
 
-PARTITIONS = ["contiguous", "zigzag", "karmarkar_karp", "greedy", "vbs"]
+PARTITIONS = ["contiguous", "zigzag", "karmarkar_karp", "greedy", "vbs", "hierarchical"]
 BALANCED = [*FAST, "--train.ledger=true", "--balance.enable=true", "--profile.enable=true",
             "--profile.warmup_steps=1", "--data.synthetic.tail_prob=0.2", "--run.threads=1"]
 

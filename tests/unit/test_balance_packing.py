@@ -71,3 +71,15 @@ def test_all_to_all_delivers_the_partition_with_times_and_labels():
             for r, got in enumerate(received):
                 assert_samples_equal(got, global_samples.select(PARTITIONS[partition](costs, 3)[r]))
                 assert got.labels.shape[1] == num_labels
+
+
+def test_each_rank_solving_only_its_hosts_delivers_the_whole_partition():
+    """hierarchical on 20 ranks (hosts of 8, 8 and 4): every rank plans from its own view (its
+    host and the hosts its samples go to), and what arrives is the whole solve's parts."""
+    global_samples, received = _rebalanced(20, "hierarchical", 1, batch=12)
+    costs = CostModel().cost(global_samples.uih_lengths, global_samples.cand_counts)
+    parts = PARTITIONS["hierarchical"](costs, 20)
+    owner = np.concatenate([np.full(len(p), r) for r, p in enumerate(parts)])[np.argsort(np.concatenate(parts))]
+    assert (owner // 8 != np.arange(20 * 12) // 12 // 8).any()  # samples cross hosts
+    for r, got in enumerate(received):
+        assert_samples_equal(got, global_samples.select(parts[r]))

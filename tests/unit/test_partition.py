@@ -6,8 +6,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from freescale.balance.cost import CostModel, fit_cost_model
-from freescale.balance.partition import (PARTITIONS, _greedy_members, equal_count_bound, hierarchical, hierarchical_host,
-                                         hierarchical_rank, host_split, imbalance, lower_bound)
+from freescale.balance.partition import (PARTITIONS, RANK_VIEWS, _greedy_members, equal_count_bound, hierarchical,
+                                         hierarchical_host, hierarchical_rank, hierarchical_view, host_split, imbalance,
+                                         lower_bound)
 from freescale.config import SyntheticDataConfig
 from freescale.data.synthetic import sample_uih_lengths
 
@@ -208,3 +209,70 @@ def test_hierarchical_errors_name_what_was_wrong():
         hierarchical_rank(costs, 16, 16)
     with pytest.raises(ValueError, match="finite and non-negative"):
         hierarchical(np.array([1.0, -1.0] * 8), 4)
+
+
+def _owners(parts, n):
+    owner = np.full(n, -1, dtype=np.int64)
+    for r, p in enumerate(parts):
+        owner[p] = r
+    return owner
+
+
+def _assert_views_match_the_whole_solve(costs, ranks, per_host, extra):
+    """Every rank's ``hierarchical_view`` (its own slice asked, as the balancer asks, plus
+    ``extra`` samples) against ``hierarchical``'s parts."""
+    parts = hierarchical(costs, ranks, per_host)
+    owner = _owners(parts, len(costs))
+    bounds = np.concatenate([[0], np.cumsum([len(p) for p in parts])])
+    for r in range(ranks):
+        asked = np.concatenate([np.arange(bounds[r], bounds[r + 1]), extra]).astype(np.int64)
+        view = RANK_VIEWS["hierarchical"](costs, ranks, r, asked) if per_host == 8 else \
+            hierarchical_view(costs, ranks, r, asked, per_host)
+        assert view.part.dtype == np.int64 and np.array_equal(view.part, parts[r]), r
+        assert np.array_equal(view.owners, owner[asked]), r
+
+
+@settings(max_examples=120, deadline=None)
+@given(data=st.data(), ranks=st.integers(1, 40), per_host=st.integers(1, 9), per_rank=st.integers(0, 24),
+       shape=st.sampled_from(["pareto", "ties", "lognormal", "one giant"]), seed=st.integers(0, 2**32 - 1))
+def test_each_ranks_view_is_the_whole_hierarchical_solve(data, ranks, per_host, per_rank, shape, seed):
+    """A rank solves the host split, its own host and the hosts its samples go to, never the
+    others': its part and the ranks of the samples it sends are the whole solve's, for random
+    costs (heavy tails that anchor ranks, many ties, a sample above all others), rank counts,
+    host sizes (a last host with fewer ranks) and samples per rank (more than LPT_ROUNDS per
+    host: snake rounds)."""
+    rng = np.random.default_rng(seed)
+    n = ranks * per_rank + data.draw(st.integers(0, ranks - 1))
+    costs = {"pareto": lambda: rng.pareto(1.0, n), "ties": lambda: rng.integers(0, 3, n).astype(np.float64),
+             "lognormal": lambda: np.round(rng.lognormal(0.0, 2.0, n), 2),
+             "one giant": lambda: np.concatenate([rng.random(n - 1), [1e3]])[rng.permutation(n)] if n else np.zeros(0),
+             }[shape]()
+    extra = rng.choice(n, size=min(n, 3), replace=False) if n else np.zeros(0, dtype=np.int64)
+    _assert_views_match_the_whole_solve(costs, ranks, per_host, extra)
+
+
+def test_views_at_a_thousand_ranks_with_heavy_tails():
+    """Sizes where every part of the host split is in play: saturated anchors with companions,
+    anchors with windows, hosts with fewer free ranks (several capacities in one deal), and
+    snake rounds after the load-ordered ones."""
+    for ranks, per_rank, seed in ((1003, 16, 0), (256, 72, 1)):
+        lengths = sample_uih_lengths(HEAVY, ranks * per_rank, 1, 2048, np.random.default_rng(seed))
+        costs = CostModel(a=1.3e-5, b=5.4e-8, c=6.7e-6, d=7.6e-5).cost(lengths, np.full(len(lengths), 4))
+        parts = hierarchical(costs, ranks)
+        owner = _owners(parts, len(costs))
+        for r in np.random.default_rng(seed).choice(ranks, size=24, replace=False).tolist():
+            asked = np.arange(r * per_rank, (r + 1) * per_rank)
+            view = hierarchical_view(costs, ranks, r, asked)
+            assert np.array_equal(view.part, parts[r]) and np.array_equal(view.owners, owner[asked]), r
+
+
+def test_every_partition_has_a_rank_view_that_agrees_with_it():
+    costs = CostModel().cost(heavy_tailed(7 * 10 + 3, seed=2))
+    assert set(RANK_VIEWS) == set(PARTITIONS)
+    for name, fn in PARTITIONS.items():
+        parts = fn(costs, 7)
+        owner = _owners(parts, len(costs))
+        for r in range(7):
+            asked = np.arange(r * 10, r * 10 + 10)
+            view = RANK_VIEWS[name](costs, 7, r, asked)
+            assert np.array_equal(view.part, parts[r]) and np.array_equal(view.owners, owner[asked]), name
