@@ -106,6 +106,10 @@ class SyntheticDataConfig:
     """Probability that an event's item is a hot one: with a large num_items, the knob for the share of rows consecutive batches have in common (their collision rate)."""
     num_labels: Annotated[int, Range(min=1, max=2)] = 1
     """Labels per candidate (ranking): 1 = click; 2 = click and liked (clicked, then a second draw from the item's quality and the user's preference)."""
+    user_features: bool = False
+    """Give each sample the user side feature user:clusters, the user's preferred clusters (clusters_per_user values of num_clusters): what the history only hints at."""
+    item_features: bool = False
+    """Give each history event and candidate the item side feature item:cluster, the item's cluster (one value of num_clusters)."""
 
 
 @dataclass
