@@ -98,7 +98,8 @@ class Samples:
     sets it; default: the sample ids). It is the same whichever rank or replica group trains the
     sample, and differs from one epoch to the next: the key of the sample's dropout masks."""
     user_side: np.ndarray | None = None
-    """int64 [n, side_layout.user_width]: each sample's user side features (default: no columns)."""
+    """int64 [n, side_layout.user_width]: each sample's user side features (None: empty, when the
+    layout has no user feature or there is no sample; likewise the two below)."""
     uih_side: np.ndarray | None = None
     """int64 [sum(uih_lengths), side_layout.item_width]: the item side features of each history event."""
     cand_side: np.ndarray | None = None
@@ -114,7 +115,7 @@ class Samples:
                 "cand_side": (int(np.sum(self.cand_counts)), self.side_layout.item_width)}
         for name, shape in rows.items():
             value = getattr(self, name)
-            if value is None and shape[1] == 0:
+            if value is None and 0 in shape:  # (nothing to carry: no feature, or no row)
                 setattr(self, name, np.zeros(shape, dtype=np.int64))
             elif value is None or value.shape != shape:
                 got = "none" if value is None else list(value.shape)
