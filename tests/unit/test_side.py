@@ -156,3 +156,118 @@ def test_torchrec_s_collections_pool_what_the_batch_s_kjts_hold():
     # Through the join, the loss reaches the rows the batch holds, and only those.
     assert torch.equal(tags.grad.abs().sum(1) > 0, torch.isin(torch.arange(50), torch.tensor([4, 5])))
     assert torch.equal(brand.grad.abs().sum(1) > 0, torch.isin(torch.arange(7), torch.tensor([3, 4, 6])))
+
+
+def test_retrieval_s_item_batches_carry_each_item_s_features_from_the_source():
+    from freescale.config import SyntheticDataConfig
+    from freescale.data.synthetic import SyntheticSource
+    from freescale.train.retrieval import item_batches
+
+    source = SyntheticSource(SyntheticDataConfig(num_items=40, user_features=True, item_features=True), seed=0,
+                             split="train", min_uih_len=1, max_uih_len=8, num_candidates=1)
+    lo, batches = item_batches(40, rank=1, world_size=2, user_hash_size=5, source=source)
+    ids = batches[0].item_ids
+    assert lo == 20 and ids.tolist() == list(range(20, 40))
+    genre = batches[0].item_side_features.to_dict()["item:cluster"]
+    assert genre.values().tolist() == (ids % 16).tolist() and genre.lengths().tolist() == [1] * 20
+    assert batches[0].user_side_features.to_dict()["user:clusters"].lengths().tolist() == [0]
+
+
+@pytest.fixture(scope="module")
+def one_rank():
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+
+
+def test_torchrec_s_pipeline_distributes_the_side_features_a_batch_ahead(one_rank):
+    """sparse_dist rewrites the side collections like the others: their input all-to-alls start
+    with the batch before (the bitwise agreement with base: tests/dist/test_side_features.py)."""
+    import torch.distributed as dist
+
+    from freescale import compat
+    from freescale.balance.balancer import NullBalancer
+    from freescale.data.loader import BatchLoader, build_sources
+    from freescale.distributed import Topology
+    from freescale.profile.timeline import NullTimeline
+    from freescale.train.training import build_training
+    from helpers.launch import FAST, QUICKSTART
+
+    cfg = load_config(QUICKSTART, [*FAST, "--data.synthetic.user_features=true", "--data.synthetic.item_features=true",
+                                   "--model.side_features=[{name: user:clusters, dim: 8}, {name: item:cluster}]"])
+    source, _ = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
+    topology = Topology(rank=0, world_size=1, local_rank=0, local_world_size=1)
+    training = build_training(cfg, num_items=source.num_items, topology=topology, device=torch.device("cpu"),
+                              side_layout=source.side_layout)
+    pipeline = training.build_pipeline(torch.device("cpu"), NullTimeline(), group=dist.group.WORLD, replica=None)
+    loader = BatchLoader(source, batch_size=cfg.data.batch_size, rank=0, world_size=1,
+                         user_hash_size=cfg.model.user_hash_size)
+    def side_state():
+        state = training.model.state_dict()
+        return {k: (v.local_shards()[0].tensor if hasattr(v, "local_shards") else v).clone()
+                for k, v in state.items() if "side_ebc" in k or "task.join" in k}
+
+    before = side_state()
+    batches = NullBalancer(cfg.model.user_hash_size).batches(loader.iter_samples())
+    pipeline.progress(batches)
+    pipelined = compat.pipeline_forwards(pipeline.inner).modules
+    model = training.model.module
+    assert any(m is model.user_side_ebc for m in pipelined) and any(m is model.item_side_ebc for m in pipelined)
+    # A step trains the side tables (their fused optimizer) and the join's projections (the dense one).
+    pipeline.progress(batches)
+    after = side_state()
+    assert sorted(after) == sorted(before) and len(after) == 6  # two tables, two projections' weight and bias
+    assert all(not torch.equal(before[k], after[k]) for k in after), [k for k in after if torch.equal(before[k], after[k])]
+    # ... with embedding.optimizer, row-wise Adagrad: its per-row state is the optimizer's.
+    state = training.optimizer.state_dict()["state"]
+    for table in ("user_side_ebc.embedding_bags.user_clusters_table", "item_side_ebc.embedding_bags.item_cluster_table"):
+        assert any(k.endswith("momentum1") for k in state[f"{table}.weight"]), state.get(f"{table}.weight")
+
+
+def test_freescale_s_own_tables_feed_the_task_what_torchrec_s_collections_do(one_rank):
+    """The owned model (every value a row, pooled in the dense part; a pooled item feature's
+    candidate values alone sent) against the unsharded TorchRec model holding the same weights."""
+    from freescale.distributed import Topology
+    from freescale.embedding.pipeline import build_owned_model
+
+    cfg = load_config(None, ["--model.embedding_dim=8", "--model.num_layers=1", "--model.mlp_dims=[8]",
+                             "--data.max_uih_len=16", "--data.num_candidates=2",
+                             "--model.side_features=[{name: item:brand}, {name: user:tags, pooling: mean}, "
+                             "{name: item:genre, kind: sequence}, {name: user:age}]"])
+    owned = build_owned_model(cfg, num_items=50, max_uih_len=16, side_layout=LAYOUT, seed=3,
+                              topology=Topology(rank=0, world_size=1, local_rank=0, local_world_size=1))
+    specs = side_specs(cfg.model, LAYOUT)
+    assert owned.side == specs and owned.tables.names == ["item_table", "user_table", *(s.table for s in specs)]
+    samples = Samples(sample_ids=np.arange(2), user_ids=np.array([3, 40]), uih_lengths=np.array([2, 1]),
+                      uih_values=np.array([1, 2, 3]), uih_timestamps=np.arange(3), cand_counts=np.array([1, 2]),
+                      cand_values=np.array([4, 5, 6]), cand_timestamps=np.full(3, 9), labels=np.ones((3, 1), np.float32),
+                      side_layout=LAYOUT, user_side=np.array([[1, 4, 5, -1], [-1, -1, -1, -1]]),
+                      uih_side=np.array([[3, 4, 0], [5, -1, 1], [-1, -1, 2]]),
+                      cand_side=np.array([[6, 7, 3], [8, -1, 4], [9, 10, -1]]))
+    batch = Batch.from_samples(samples, 0, user_hash_size=cfg.model.user_hash_size)
+    segments = owned.segments(batch)
+    # user:tags, user:age: every sample's values; item:genre: the events' and the candidates';
+    # item:brand (pooled): the candidates' alone.
+    assert [(t, ids.tolist()) for t, ids in segments[2:]] == [(2, [4, 5]), (3, [1]), (4, [3, 4, 5, 6, 7, 8, 9, 10]),
+                                                             (5, [3, 4])]
+    weight = owned.tables.weight.detach()
+    rows = torch.cat([weight[owned.tables.locate(t, ids)[1]] for t, ids in segments])
+    got, _ = owned.dense(batch, rows)
+
+    torchrec = SeqRecModel(cfg.model, cfg.embedding, num_items=50, max_uih_len=16, device=torch.device("cpu"),
+                           side_specs=specs)
+    with torch.no_grad():
+        def table(t):
+            start = int(owned.tables.local_starts[0, t])
+            return weight[start:start + owned.tables.rows[t]]
+
+        torchrec.item_ec.embeddings["item_table"].weight.copy_(table(0))
+        torchrec.user_ebc.embedding_bags["user_table"].weight.copy_(table(1))
+        for t, spec in enumerate(specs, start=2):
+            bags = torchrec.user_side_ebc if spec.user else torchrec.item_side_ebc
+            bags.embedding_bags[spec.table].weight.copy_(table(t))
+    torchrec.task.load_state_dict(owned.task.state_dict())
+    want, _ = torchrec(batch)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
