@@ -271,3 +271,20 @@ def test_freescale_s_own_tables_feed_the_task_what_torchrec_s_collections_do(one
     torchrec.task.load_state_dict(owned.task.state_dict())
     want, _ = torchrec(batch)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_calibration_runs_the_model_with_its_side_features_every_slot_used():
+    """user:clusters alone (no user-id row) and item:cluster: the model calibrated is the one trained."""
+    from freescale.balance import calibrate as calibration
+
+    cfg = load_config(None, ["--data.max_uih_len=16", "--data.num_candidates=2", "--model.num_layers=1",
+                             "--model.embedding_dim=8", "--model.mlp_dims=[8]", "--data.batch_size=4",
+                             "--model.user_features=false", "--data.synthetic.user_features=true",
+                             "--data.synthetic.item_features=true",
+                             "--model.side_features=[{name: user:clusters}, {name: item:cluster, kind: sequence}]"])
+    layout = calibration._side_layout(cfg)
+    batch = calibration._batch(3, 5, 2, 100, np.random.default_rng(0), 10, layout=layout)
+    assert batch.user_side_features.lengths().tolist() == [2, 2, 2]  # clusters_per_user slots, every one used
+    assert batch.item_side_features.lengths().tolist() == [1] * (3 * 5 + 3 * 2)
+    model = calibration.calibrate(cfg, repeats=1, tokens_per_batch=64, log=lambda *_: None)
+    assert np.isfinite(model.cost([4, 16], [1, 2])).all()
