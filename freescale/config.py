@@ -713,7 +713,8 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
 
 
 SIDE_FEATURE_NAME = re.compile(r"(user|item):[^.]+")
-"""A side feature's name: its column's in the source (user:<name>, item:<name>); a table is named after it, so no dot."""
+"""A side feature's name, its column's in the source (user:<name>, item:<name>); a table is
+named after it, so no dot."""
 OWNED_PIPELINES = ("sync", "prioritized")
 """The train.pipeline values that train FreeScale's own tables."""
 

@@ -123,7 +123,9 @@ class SyntheticSource:
     def item_side(self, item_ids: np.ndarray) -> np.ndarray:
         """[n, 1] the items' clusters (``item:cluster``), or [n, 0] without item features."""
         items = np.asarray(item_ids, dtype=np.int64)
-        return (items % self.cfg.num_clusters)[:, None] if self.cfg.item_features else np.zeros((len(items), 0), np.int64)
+        if not self.cfg.item_features:
+            return np.zeros((len(items), 0), dtype=np.int64)
+        return (items % self.cfg.num_clusters)[:, None]
 
     def item_quality(self, items: np.ndarray) -> np.ndarray:
         """Fixed per-item click-logit offset, approximately normal with std ``quality_std``."""

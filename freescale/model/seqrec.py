@@ -4,8 +4,9 @@
 through one ``EmbeddingCollection`` table (sequence embeddings), the hashed user id through an
 ``EmbeddingBagCollection`` (pooled), the side features (``model.side_features``) through one
 ``EmbeddingBagCollection`` of user tables and one of item tables (``freescale.model.side``), and
-everything dense, whose shapes depend on the data, sits in ``SeqRecTask``. TorchRec's pipelines FX-trace the top-level forward to find the
-sharded modules' inputs and treat ``SeqRecTask`` as one leaf, so it may branch on the data.
+everything dense, whose shapes depend on the data, sits in ``SeqRecTask``. TorchRec's pipelines
+FX-trace the top-level forward to find the sharded modules' inputs and treat ``SeqRecTask`` as
+one leaf, so it may branch on the data.
 
 ``SeqRecTask``: positional embeddings on the UIH, a pre-norm transformer encoder over the
 jagged UIH, candidate-target attention (each candidate attends over its own sample's encoded
@@ -103,9 +104,10 @@ class SeqRecTask(nn.Module):
         stream_positions: torch.Tensor | None = None,
     ):
         """(loss, StepOutput) of the histories' rows ``uih`` [sum(uih_lengths), D], the candidates'
-        ``cand`` [sum(cand_counts), D] and the users' ``user_rows`` [samples, D] (None without
-        a user row: ``config.reads_user_row``), on the model's device, and ``labels`` [sum(cand_counts), K]; ``uih_lengths``,
-        ``cand_counts`` (and the ``sample_ids`` and ``batch_index`` passed through) are host tensors.
+        ``cand`` [sum(cand_counts), D] and the users' ``user_rows`` [samples, D] (None without a
+        user row: ``config.reads_user_row``), on the model's device, and ``labels``
+        [sum(cand_counts), K]; ``uih_lengths``, ``cand_counts`` (and the ``sample_ids`` and
+        ``batch_index`` passed through) are host tensors.
         Every task takes the same arguments (``TASK_ARGUMENTS``); this one has no use for the item
         ids or the timestamps."""
         device = uih.device
@@ -177,7 +179,6 @@ class SeqRecModel(nn.Module):
         self.user_side_ebc = side_tables([s for s in side_specs if s.user])
         self.item_side_ebc = side_tables([s for s in side_specs if not s.user])
         self.side_specs = list(side_specs)
-        self.side_features = bool(side_specs)
         self.task = build_task(cfg, max_uih_len=max_uih_len, task_cfg=task_cfg, num_labels=num_labels,
                                max_candidates=max_candidates, seed=seed, side_specs=side_specs)
 
@@ -185,7 +186,7 @@ class SeqRecModel(nn.Module):
         seq = self.item_ec(batch.seq_features)
         user = self.user_ebc(batch.user_features)[USER_FEATURE] if self.user_ebc is not None else None
         rows = (seq[UIH_FEATURE].values(), seq[CANDIDATE_FEATURE].values(), user)
-        if not self.side_features:
+        if not self.side_specs:
             return self.task(*rows, *task_arguments(batch))
         # The side rows as {key: pooled rows} (the item features' a bag per history event, then per candidate).
         user_side = self.user_side_ebc(batch.user_side_features).to_dict() if self.user_side_ebc is not None else {}

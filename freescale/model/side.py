@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from freescale.data.sample_files import USER_PREFIX
 from freescale.device import to_device
 from freescale.model.flops import matmul
 from freescale.model.jagged_attention import offsets_of
@@ -47,8 +48,6 @@ from freescale.model.jagged_attention import offsets_of
 if TYPE_CHECKING:
     from freescale.config import ModelConfig
     from freescale.data.batch import SideLayout
-
-USER_PREFIX, ITEM_PREFIX = "user:", "item:"
 
 
 @dataclass(frozen=True)

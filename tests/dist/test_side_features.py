@@ -13,7 +13,8 @@ pytestmark = pytest.mark.slow
 
 SIDE_DATA = ["--data.synthetic.user_features=true", "--data.synthetic.item_features=true"]
 # TorchRec's tables take any width; FreeScale's own hold model.embedding_dim (32 here).
-TORCHREC_FEATURES = "--model.side_features=[{name: user:clusters, dim: 8, pooling: mean}, {name: item:cluster, dim: 16}]"
+TORCHREC_FEATURES = ("--model.side_features=[{name: user:clusters, dim: 8, pooling: mean}, "
+                     "{name: item:cluster, dim: 16}]")
 OWNED_FEATURES = "--model.side_features=[{name: user:clusters, pooling: mean}, {name: item:cluster, kind: sequence}]"
 RETRIEVAL = ["--model.kind=hstu", "--task.kind=retrieval", "--task.num_negatives=8", "--model.user_features=false",
              "--model.side_features=[{name: item:cluster, kind: sequence, dim: 16}]"]

@@ -108,7 +108,8 @@ def test_first_line_of_an_error():
 
 
 def test_a_side_feature_the_source_lacks_fails_before_a_run_folder_exists(tmp_path):
-    proc = freescale("train", "--config", str(QUICKSTART), f"--run.out_dir={tmp_path}", "--data.synthetic.item_features=true",
+    proc = freescale("train", "--config", str(QUICKSTART), f"--run.out_dir={tmp_path}",
+                     "--data.synthetic.item_features=true",
                      "--model.side_features=[{name: item:cluster}, {name: user:clusters}]", timeout=120)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == ["freescale: error: model.side_features[1].name: the source has no side "

@@ -4,7 +4,6 @@ and what the batch's KJTs give TorchRec's collections."""
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 import pytest
