@@ -344,7 +344,7 @@ def _verify(args, cfg) -> None:
         _fail(f"--tolerance: expected a number at least 0, got {args.tolerance}")
     try:
         verdict = verify(cfg, args.steps)
-    except (DataError, CostModelError) as e:
+    except (ConfigError, DataError, CostModelError) as e:
         _fail(str(e))
     main_rank = int(os.environ.get("RANK", 0)) == 0
     distributed.shutdown()

@@ -106,6 +106,10 @@ class SyntheticDataConfig:
     """Probability that an event's item is a hot one: with a large num_items, the knob for the share of rows consecutive batches have in common (their collision rate)."""
     num_labels: Annotated[int, Range(min=1, max=2)] = 1
     """Labels per candidate (ranking): 1 = click; 2 = click and liked (clicked, then a second draw from the item's quality and the user's preference)."""
+    user_features: bool = False
+    """Give each sample the user side feature user:clusters, the user's preferred clusters (clusters_per_user values of num_clusters): what the history only hints at."""
+    item_features: bool = False
+    """Give each history event and candidate the item side feature item:cluster, the item's cluster (one value of num_clusters)."""
 
 
 @dataclass
@@ -149,6 +153,20 @@ class DataConfig:
 
 
 @dataclass
+class SideFeatureConfig:
+    name: str = ""
+    """The source's feature: user:<name> (joined into the user representation) or item:<name> (into the candidates' rows)."""
+    rows: Annotated[int, NonNegative] = 0
+    """Rows of its embedding table (0 = the source's number of values for it; fewer is refused)."""
+    dim: Annotated[int, NonNegative] = 0
+    """Width of its rows (0 = model.embedding_dim; FreeScale's own tables, train.pipeline sync or prioritized, hold model.embedding_dim only)."""
+    pooling: Literal["sum", "mean"] = "sum"
+    """How the rows of a multi-valued feature's values become one: their sum or their mean (no value: zeros)."""
+    kind: Literal["pooled", "sequence"] = "pooled"
+    """pooled: joined into the candidates (item features) or the user representation (user features); sequence (item features): also into every history event's row."""
+
+
+@dataclass
 class ModelConfig:
     embedding_dim: Annotated[int, Range(min=2)] = 32
     """Width of the embedding rows (what the embedding all-to-alls move)."""
@@ -178,6 +196,8 @@ class ModelConfig:
     """hstu: dropout on each layer's gated attention output (and the input rows) while training."""
     num_time_buckets: Annotated[int, Positive] = 128
     """hstu: buckets of the log time difference in the relative attention bias."""
+    side_features: list[SideFeatureConfig] = field(default_factory=list)
+    """The source's side features the model reads, each a section (name, rows, dim, pooling, kind): an embedding table per feature, its rows concatenated and projected to embedding_dim, added to the user's, the candidates' (and with kind sequence the history events') rows; empty = none."""
 
 
 @dataclass
@@ -671,6 +691,7 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"task.eval_ks: expected cut-offs >= 1, got {cfg.task.eval_ks}")
     if any(w < 1 for w in m.mlp_dims):
         raise ConfigError(f"model.mlp_dims: expected positive widths, got {m.mlp_dims}")
+    _check_side_features(cfg)
     if d.source == "ratings":
         if not d.ratings.path:
             raise ConfigError("data.ratings.path: required when data.source is ratings")
@@ -702,6 +723,52 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"sim.ranks: expected rank counts >= 1, got {cfg.sim.ranks}")
     for name, fault in declared_faults(cfg):
         _check_fault(name, fault, ft.enable)
+
+
+SIDE_FEATURE_NAME = re.compile(r"(user|item):[^.]+")
+"""A side feature's name, its column's in the source (user:<name>, item:<name>); a table is
+named after it, so no dot."""
+OWNED_PIPELINES = ("sync", "prioritized")
+"""The train.pipeline values that train FreeScale's own tables."""
+
+
+def _check_side_features(cfg: ExperimentConfig) -> None:
+    """What can be told of ``model.side_features`` without the source (which names it has is
+    checked when the model is built, ``freescale.model.side.side_specs``)."""
+    seen: dict[str, int] = {}
+    for i, f in enumerate(cfg.model.side_features):
+        key = f"model.side_features[{i}]"
+        if not SIDE_FEATURE_NAME.fullmatch(f.name):
+            raise ConfigError(f"{key}.name: expected user:<name> or item:<name> (no dot), got {f.name!r}")
+        if f.name in seen:
+            raise ConfigError(f"{key}.name: {f.name} is listed twice (also model.side_features[{seen[f.name]}])")
+        seen[f.name] = i
+        user = f.name.startswith("user:")
+        if user and f.kind == "sequence":
+            raise ConfigError(f"{key}.kind: sequence joins an item feature into the history events; {f.name} is a "
+                              f"user feature (kind pooled)")
+        if cfg.task.kind == "retrieval" and user:
+            raise ConfigError(f"{key}.name: retrieval reads no user representation (the history is its user tower); "
+                              f"{f.name} would train nothing")
+        if cfg.task.kind == "retrieval" and f.kind == "pooled":
+            raise ConfigError(f"{key}.kind: retrieval scores history items and candidates as one item tower, so an "
+                              f"item feature joins both: expected sequence for {f.name}, got pooled")
+        if cfg.train.pipeline in OWNED_PIPELINES:
+            check_owned_side_dim(cfg.model, i, f"train.pipeline {cfg.train.pipeline}")
+
+
+def check_owned_side_dim(model: ModelConfig, i: int, why: str) -> None:
+    """FreeScale's own tables hold rows of one width: a side feature's must be model.embedding_dim."""
+    dim = model.side_features[i].dim
+    if dim not in (0, model.embedding_dim):
+        raise ConfigError(f"model.side_features[{i}].dim: FreeScale's own tables ({why}) hold rows of "
+                          f"model.embedding_dim: expected 0 or {model.embedding_dim}, got {dim}")
+
+
+def reads_user_row(model: ModelConfig) -> bool:
+    """Whether the task gets a user row: the user id's (model.user_features), or the projection of
+    the user side features."""
+    return model.user_features or any(f.name.startswith("user:") for f in model.side_features)
 
 
 def declared_faults(cfg: ExperimentConfig) -> list[tuple[str, FaultConfig]]:

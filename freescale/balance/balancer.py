@@ -2,14 +2,15 @@
 
 Protocol, per global batch ``k`` (each rank starts from its contiguous slice, in time order):
 
-I.   all-gather every rank's per-sample (UIH length, candidate count, labels per candidate);
+I.   all-gather every rank's per-sample (UIH length, candidate count, labels per candidate, user and
+     item side-feature slots);
 II.  every rank solves the partition of the global batch from the calibrated cost
      (``cost(L, C)``, pure and deterministic, so no rank needs to be told the result), as far
      as it needs it: its own part and the ranks its own samples go to (``RANK_VIEWS``:
      ``hierarchical`` solves the host split and only the hosts involved, the others the whole
      partition), the same on every rank as the whole partition;
-III. all-to-all the samples (meta, UIH ids and times, candidate ids and times, labels) to their
-     new ranks. Split sizes follow from (I) and (II), so no size exchange precedes the payload.
+III. all-to-all the samples (meta, UIH ids and times, candidate ids and times, labels, side
+     features) to their new ranks. Split sizes follow from (I) and (II), so no size exchange precedes the payload.
 
 Rank ``r`` receives its samples grouped by source rank, each group in the source's order;
 sources are consecutive slices of the global batch, so the result is in global time order.
@@ -42,7 +43,7 @@ import torch
 from freescale.balance.cost import CostModel
 from freescale.balance.partition import RANK_VIEWS
 from freescale.balance.read_ahead import CollectiveReadAhead
-from freescale.data.batch import Batch, Samples
+from freescale.data.batch import Batch, Samples, SideLayout
 from freescale.profile.timeline import phase
 
 _META = 5  # sample id, user id, UIH length, candidate count, stream position
@@ -64,9 +65,14 @@ class Balancer:
     # The three stages ----------------------------------------------------------------------
 
     def gather_sizes(self, local: Samples):
-        """Stage I: issue the all-gather of (L, C, K); ``wait()`` gives the global [N, 3] array."""
-        labels_per_candidate = np.full(len(local), local.labels.shape[1], dtype=np.int64)
-        sizes = np.stack([local.uih_lengths, local.cand_counts, labels_per_candidate], axis=1).astype(np.int64)
+        """Stage I: issue the all-gather of (L, C, K, user slots, item slots); ``wait()`` gives the
+        global [N, 5] array (the side-feature slots are the source's, the same for every sample)."""
+        def each(value: int) -> np.ndarray:
+            return np.full(len(local), value, dtype=np.int64)
+
+        layout = local.side_layout
+        sizes = np.stack([local.uih_lengths, local.cand_counts, each(local.labels.shape[1]), each(layout.user_width),
+                          each(layout.item_width)], axis=1).astype(np.int64)
         return self.transport.all_gather(torch.from_numpy(sizes))
 
     def plan(self, global_sizes: np.ndarray, local_count: int) -> "_Plan":
@@ -76,7 +82,7 @@ class Balancer:
         mine = np.arange(int(counts[: self.rank].sum()), int(counts[: self.rank + 1].sum()))
         view = self.view(self.cost_model.cost(L, C), self.world_size, self.rank, mine)
         source = np.repeat(np.arange(self.world_size), counts)
-        words = _META + 2 * L + (2 + K) * C
+        words = _words(global_sizes)
         send_owner = view.owners
         send_order = np.argsort(send_owner, kind="stable")
         input_splits = np.bincount(send_owner, weights=words[mine], minlength=self.world_size).astype(np.int64)
@@ -91,7 +97,7 @@ class Balancer:
         """Stage III: issue the all-to-all; ``_Exchange.wait()`` gives this rank's Samples."""
         buffer = _pack(local.select(plan.send_order), plan.send_counts)
         handle = self.transport.all_to_all_single(torch.from_numpy(buffer), plan.input_splits, plan.output_splits)
-        return _Exchange(handle, plan)
+        return _Exchange(handle, plan, local.side_layout)
 
     def close(self) -> None:
         """Stop the read-ahead (it finishes the batches every rank starts), then close the
@@ -166,9 +172,10 @@ class _Plan:
 
 
 class _Exchange:
-    def __init__(self, handle, plan: _Plan) -> None:
+    def __init__(self, handle, plan: _Plan, side_layout: SideLayout = SideLayout()) -> None:
         self.handle = handle
         self.plan = plan
+        self.side_layout = side_layout  # every rank's samples carry the same
 
     def wait(self) -> Samples:
         buffer = self.handle.wait().numpy()
@@ -176,14 +183,21 @@ class _Exchange:
         offset = 0
         for src, words in enumerate(self.plan.output_splits):
             sizes = self.plan.recv_sizes[self.plan.recv_sources == src]
-            parts.append(_unpack(buffer[offset:offset + words], sizes, self.plan.num_labels))
+            parts.append(_unpack(buffer[offset:offset + words], sizes, self.plan.num_labels, self.side_layout))
             offset += words
         return Samples.concat(parts)
 
 
+def _words(sizes: np.ndarray) -> np.ndarray:
+    """Each sample's int64 words in the buffer, from its gathered (L, C, K, user slots, item slots)."""
+    L, C, K, user, item = (sizes[:, i] for i in range(5))
+    return _META + user + (2 + item) * L + (2 + K + item) * C
+
+
 def _pack(samples: Samples, counts: np.ndarray) -> np.ndarray:
     """One int64 buffer: per destination, [meta rows, UIH ids, UIH times, candidate ids, candidate
-    times, label bits (row-major [candidates, K])].
+    times, label bits (row-major [candidates, K]), user side slots, history events' item side
+    slots, candidates' item side slots (each row-major)].
 
     ``samples`` are grouped by destination, ``counts[j]`` of them for rank ``j``.
     """
@@ -196,23 +210,33 @@ def _encode(s: Samples) -> np.ndarray:
     meta = np.stack([s.sample_ids, s.user_ids, s.uih_lengths, s.cand_counts, s.stream_positions], axis=1).reshape(-1)
     labels = s.labels.astype(np.float64).reshape(-1).view(np.int64)
     return np.concatenate([meta.astype(np.int64), s.uih_values.astype(np.int64), s.uih_timestamps.astype(np.int64),
-                           s.cand_values.astype(np.int64), s.cand_timestamps.astype(np.int64), labels])
+                           s.cand_values.astype(np.int64), s.cand_timestamps.astype(np.int64), labels,
+                           s.user_side.reshape(-1), s.uih_side.reshape(-1), s.cand_side.reshape(-1)])
 
 
-def _unpack(buffer: np.ndarray, sizes: np.ndarray, num_labels: int) -> Samples:
-    """The samples of one source's chunk; ``sizes`` are their gathered (L, C, K), and
-    ``num_labels`` is the batch's K (an empty chunk's labels are [0, K] too)."""
+def _unpack(buffer: np.ndarray, sizes: np.ndarray, num_labels: int, side_layout: SideLayout = SideLayout()) -> Samples:
+    """The samples of one source's chunk; ``sizes`` are their gathered (L, C, K, ...), and
+    ``num_labels`` is the batch's K (an empty chunk's labels are [0, K] too); ``side_layout``:
+    the side features every rank's samples carry."""
     n = len(sizes)
     meta = buffer[: _META * n].reshape(n, _META)
     L, C = meta[:, 2], meta[:, 3]
     if not (np.array_equal(L, sizes[:, 0]) and np.array_equal(C, sizes[:, 1])):
         raise RuntimeError("balancer: received samples do not match the gathered sizes")
-    bounds = np.cumsum([_META * n, int(L.sum()), int(L.sum()), int(C.sum()), int(C.sum()), num_labels * int(C.sum())])
-    uih, uih_times, cand, cand_times, labels = (buffer[lo:hi].copy() for lo, hi in zip(bounds[:-1], bounds[1:]))
+    events, cands = int(L.sum()), int(C.sum())
+    user_width, item_width = side_layout.user_width, side_layout.item_width
+    bounds = np.cumsum([_META * n, events, events, cands, cands, num_labels * cands, n * user_width,
+                        events * item_width, cands * item_width])
+    if bounds[-1] != len(buffer):
+        raise RuntimeError(f"balancer: a chunk of {len(buffer)} words, its samples make {bounds[-1]}")
+    uih, uih_times, cand, cand_times, labels, user_side, uih_side, cand_side = (
+        buffer[lo:hi].copy() for lo, hi in zip(bounds[:-1], bounds[1:]))
     return Samples(sample_ids=meta[:, 0].copy(), user_ids=meta[:, 1].copy(), uih_lengths=L.copy(), uih_values=uih,
                    uih_timestamps=uih_times, cand_counts=C.copy(), cand_values=cand, cand_timestamps=cand_times,
                    labels=labels.view(np.float64).astype(np.float32).reshape(-1, num_labels),
-                   stream_positions=meta[:, 4].copy())
+                   stream_positions=meta[:, 4].copy(), user_side=user_side.reshape(n, user_width),
+                   uih_side=uih_side.reshape(events, item_width), cand_side=cand_side.reshape(cands, item_width),
+                   side_layout=side_layout)
 
 
 class NullBalancer:

@@ -13,11 +13,18 @@ learn a number.
 
 Labels are 2-D, ``[candidates, K]`` with ``K >= 1`` labels per candidate
 (``freescale.data.features.label_names`` names them).
+
+Side features (``SideLayout``): categorical values of the user (``user:<name>``, one row per
+sample) and of the item (``item:<name>``, one row per history event and per candidate: an
+item's features travel with every occurrence of the item, so the balancer moves them with the
+samples and the model never looks an item's features up). Each feature takes ``max_values``
+consecutive int64 slots of its row, unused slots ``-1``. A ``Batch`` carries them as two
+KeyedJaggedTensors, one bag per row and feature, the padding left out.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -25,14 +32,47 @@ from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 from torchrec.streamable import Pipelineable
 
 from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
+from freescale.data.sample_files import ITEM_PREFIX, USER_PREFIX, SideFeature
 from freescale.device import accelerated, to_device
 
 HOST_FIELDS = ("uih_lengths", "cand_counts", "sample_ids", "batch_index", "uih_timestamps", "cand_timestamps",
                "item_ids", "stream_positions", "user_ids", "seen_items")
 """The fields that stay on the host when a batch moves to a device."""
-SPARSE_FIELDS = ("seq_features", "user_features")
+SPARSE_FIELDS = ("seq_features", "user_features", "user_side_features", "item_side_features")
 """The ids: the device's for TorchRec's tables; the pipelines over FreeScale's own tables route
 them from the host and leave them there."""
+PADDING = -1
+"""An unused slot of a side feature."""
+
+
+@dataclass(frozen=True)
+class SideLayout:
+    """The side features a source's samples carry, in slot order: each takes ``max_values``
+    consecutive int64 slots of its row (``Samples.user_side``: the user's; ``uih_side`` and
+    ``cand_side``: the item's), unused slots ``PADDING``. Every rank of a run shares it."""
+
+    user: tuple[SideFeature, ...] = ()
+    item: tuple[SideFeature, ...] = ()
+
+    @property
+    def user_width(self) -> int:
+        return sum(f.max_values for f in self.user)
+
+    @property
+    def item_width(self) -> int:
+        return sum(f.max_values for f in self.item)
+
+    def keys(self) -> list[str]:
+        """Every feature's key (``user:<name>``, ``item:<name>``): the batch's KJT keys."""
+        return [USER_PREFIX + f.name for f in self.user] + [ITEM_PREFIX + f.name for f in self.item]
+
+    def feature(self, key: str) -> SideFeature:
+        """The feature of ``key``; a KeyError naming the keys there are."""
+        for prefix, features in ((USER_PREFIX, self.user), (ITEM_PREFIX, self.item)):
+            for f in features:
+                if prefix + f.name == key:
+                    return f
+        raise KeyError(f"{key} (the source's side features: {', '.join(self.keys()) or 'none'})")
 
 
 @dataclass
@@ -57,10 +97,29 @@ class Samples:
     """int64 [n]: each sample's position in the training stream, counted across epochs (the loader
     sets it; default: the sample ids). It is the same whichever rank or replica group trains the
     sample, and differs from one epoch to the next: the key of the sample's dropout masks."""
+    user_side: np.ndarray | None = None
+    """int64 [n, side_layout.user_width]: each sample's user side features (None: empty, when the
+    layout has no user feature or there is no sample; likewise the two below)."""
+    uih_side: np.ndarray | None = None
+    """int64 [sum(uih_lengths), side_layout.item_width]: the item side features of each history event."""
+    cand_side: np.ndarray | None = None
+    """int64 [sum(cand_counts), side_layout.item_width]: the item side features of each candidate
+    (retrieval's negatives included)."""
+    side_layout: SideLayout = field(default_factory=SideLayout)
 
     def __post_init__(self) -> None:
         if self.stream_positions is None:
             self.stream_positions = np.asarray(self.sample_ids, dtype=np.int64).copy()
+        rows = {"user_side": (len(self.sample_ids), self.side_layout.user_width),
+                "uih_side": (int(np.sum(self.uih_lengths)), self.side_layout.item_width),
+                "cand_side": (int(np.sum(self.cand_counts)), self.side_layout.item_width)}
+        for name, shape in rows.items():
+            value = getattr(self, name)
+            if value is None and 0 in shape:  # (nothing to carry: no feature, or no row)
+                setattr(self, name, np.zeros(shape, dtype=np.int64))
+            elif value is None or value.shape != shape:
+                got = "none" if value is None else list(value.shape)
+                raise ValueError(f"Samples.{name}: expected {list(shape)} (rows, the layout's slots), got {got}")
 
     def __len__(self) -> int:
         return len(self.sample_ids)
@@ -81,11 +140,19 @@ class Samples:
             cand_timestamps=self.cand_timestamps[cand],
             labels=self.labels[cand],
             stream_positions=self.stream_positions[index],
+            user_side=self.user_side[index],
+            uih_side=self.uih_side[uih],
+            cand_side=self.cand_side[cand],
+            side_layout=self.side_layout,
         )
 
     @staticmethod
     def concat(parts: list["Samples"]) -> "Samples":
-        return Samples(*(np.concatenate([getattr(p, f) for p in parts]) for f in Samples.__dataclass_fields__))
+        layout = parts[0].side_layout
+        if any(p.side_layout != layout for p in parts):
+            raise ValueError("Samples.concat: the parts carry different side features")
+        arrays = [f for f in Samples.__dataclass_fields__ if f != "side_layout"]
+        return Samples(**{f: np.concatenate([getattr(p, f) for p in parts]) for f in arrays}, side_layout=layout)
 
 
 def _jagged_take(lengths: np.ndarray, index: np.ndarray) -> np.ndarray:
@@ -107,6 +174,10 @@ class Batch(Pipelineable):
 
     seq_features: KeyedJaggedTensor
     user_features: KeyedJaggedTensor
+    user_side_features: KeyedJaggedTensor
+    """Keys ``user:<name>``: one bag per sample (its values, padding left out)."""
+    item_side_features: KeyedJaggedTensor
+    """Keys ``item:<name>``: one bag per history event, then one per candidate."""
     uih_lengths: torch.Tensor
     cand_counts: torch.Tensor
     labels: torch.Tensor
@@ -147,9 +218,13 @@ class Batch(Pipelineable):
             values=torch.from_numpy(samples.user_ids % user_hash_size),
             lengths=torch.ones(len(samples), dtype=torch.int64),
         )
+        layout = samples.side_layout
         return Batch(
             seq_features=seq,
             user_features=user,
+            user_side_features=side_features(USER_PREFIX, layout.user, samples.user_side),
+            item_side_features=side_features(ITEM_PREFIX, layout.item,
+                                             np.concatenate([samples.uih_side, samples.cand_side])),
             uih_lengths=uih_lengths,
             cand_counts=cand_counts,
             labels=torch.from_numpy(samples.labels),
@@ -187,6 +262,28 @@ class Batch(Pipelineable):
             value = getattr(self, name)
             if (value.device if isinstance(value, torch.Tensor) else value.device()).type != "cpu":
                 value.record_stream(stream)
+
+
+def side_features(prefix: str, features: tuple[SideFeature, ...], slots: np.ndarray) -> KeyedJaggedTensor:
+    """A KJT of ``slots`` (int64 [rows, the features' slots]): key ``prefix + name`` per feature,
+    one bag per row holding its values in slot order, ``PADDING`` left out. A value outside the
+    feature's ``num_values`` (what its table holds) is refused here, naming the feature."""
+    keys, values, lengths = [], [], []
+    at = 0
+    for f in features:
+        block = slots[:, at:at + f.max_values]
+        at += f.max_values
+        bad = (block < PADDING) | (block >= f.num_values)
+        if bad.any():
+            raise ValueError(f"side feature {prefix}{f.name}: value {int(block[bad][0])} is outside its "
+                             f"{f.num_values} values (0..{f.num_values - 1}, {PADDING} for an unused slot)")
+        present = block != PADDING
+        keys.append(prefix + f.name)
+        values.append(block[present])  # row-major: each row's values in slot order
+        lengths.append(present.sum(axis=1))
+    join = lambda parts: torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False))  # noqa: E731
+    return KeyedJaggedTensor.from_lengths_sync(keys=keys, values=join(values or [np.zeros(0, np.int64)]),
+                                               lengths=join(lengths or [np.zeros(0, np.int64)]), stride=len(slots))
 
 
 def _to(value, device: torch.device):

@@ -20,7 +20,7 @@ from typing import Iterator, Protocol
 import numpy as np
 
 from freescale.config import DataConfig, TaskConfig
-from freescale.data.batch import Batch, Samples
+from freescale.data.batch import Batch, Samples, SideLayout
 from freescale.data.ml100k import ensure_ml100k
 from freescale.data.parquet_source import ParquetSource
 from freescale.data.readers import RatingsSource, read_ratings
@@ -32,8 +32,14 @@ class SampleSource(Protocol):
     num_items: int
     num_samples: int | None
     """Samples in the split, or None for an infinite stream."""
+    side_layout: SideLayout
+    """The side features its samples carry (``SideLayout()``: none)."""
 
     def samples_at(self, positions: np.ndarray) -> Samples: ...
+
+    def item_side(self, item_ids: np.ndarray) -> np.ndarray:
+        """int64 [len(item_ids), side_layout.item_width]: the items' side features (retrieval's
+        evaluation ranks every item of the table, with its features)."""
 
 
 def build_sources(cfg: DataConfig, seed: int, task: TaskConfig | None = None) -> tuple[SampleSource, SampleSource]:

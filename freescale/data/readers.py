@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from freescale.data.batch import Samples
+from freescale.data.batch import Samples, SideLayout
 from freescale.data.retrieval import next_item_candidates
 from freescale.errors import DataError  # noqa: F401 (where callers have always found it)
 
@@ -149,6 +149,12 @@ class RatingsSource:
     @property
     def num_samples(self) -> int:
         return len(self._ids)
+
+    side_layout = SideLayout()
+    """A ratings log has no side features."""
+
+    def item_side(self, item_ids: np.ndarray) -> np.ndarray:
+        return np.zeros((len(item_ids), 0), dtype=np.int64)
 
     def seen_items(self, positions: np.ndarray) -> list[np.ndarray]:
         """Each sample's user's every item before the sample's first candidate (its history

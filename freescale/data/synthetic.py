@@ -36,6 +36,11 @@ the next event of the user, drawn like a history event (preferred cluster with p
 
 Draws for the times, the second label and the next item come from their own generators, so a
 split's histories, candidates and clicks are the same whichever of them are asked for.
+
+Side features (off by default; they draw nothing, so the samples are the same with them):
+``user_features`` gives each sample ``user:clusters``, its user's preferred clusters, and
+``item_features`` each history event and candidate ``item:cluster``, its item's cluster. Together
+they state the preference term of the click, which otherwise has to be read from the history.
 """
 
 from __future__ import annotations
@@ -45,7 +50,8 @@ from functools import lru_cache
 import numpy as np
 
 from freescale.config import SyntheticDataConfig
-from freescale.data.batch import Samples
+from freescale.data.batch import Samples, SideLayout
+from freescale.data.sample_files import SideFeature
 from freescale.data.retrieval import next_item_candidates
 from freescale.data.retrieval import splitmix64 as _mix
 
@@ -94,6 +100,9 @@ class SyntheticSource:
         self.num_candidates = num_candidates
         self.task = task
         self.num_negatives = num_negatives
+        self.side_layout = SideLayout(
+            user=(SideFeature("clusters", cfg.num_clusters, cfg.clusters_per_user),) if cfg.user_features else (),
+            item=(SideFeature("cluster", cfg.num_clusters, 1),) if cfg.item_features else ())
         self._block = lru_cache(maxsize=4)(self._generate_block)
 
     @property
@@ -110,6 +119,13 @@ class SyntheticSource:
         with np.errstate(over="ignore"):
             keys = keys + np.uint64(self.seed) * np.uint64(0x9E3779B97F4A7C15)
         return (_mix(keys) % np.uint64(self.cfg.num_clusters)).astype(np.int64)
+
+    def item_side(self, item_ids: np.ndarray) -> np.ndarray:
+        """[n, 1] the items' clusters (``item:cluster``), or [n, 0] without item features."""
+        items = np.asarray(item_ids, dtype=np.int64)
+        if not self.cfg.item_features:
+            return np.zeros((len(items), 0), dtype=np.int64)
+        return (items % self.cfg.num_clusters)[:, None]
 
     def item_quality(self, items: np.ndarray) -> np.ndarray:
         """Fixed per-item click-logit offset, approximately normal with std ``quality_std``."""
@@ -169,6 +185,10 @@ class SyntheticSource:
             cand_values=cands.astype(np.int64),
             cand_timestamps=cand_times,
             labels=labels,
+            user_side=prefs if cfg.user_features else None,
+            uih_side=self.item_side(uih),
+            cand_side=self.item_side(cands),
+            side_layout=self.side_layout,
         )
 
     def _ranking_candidates(self, rng: np.random.Generator, block: int, prefs: np.ndarray, per_cluster: int):

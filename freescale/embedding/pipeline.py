@@ -1,7 +1,7 @@
 """Training over FreeScale's own sharded tables: the synchronous reference and the prioritized pipeline.
 
-Both train the same model (``OwnedModel``: ``ShardedTables`` for the item and user tables,
-the dense task replicated with its gradients all-reduced) on the same batches and
+Both train the same model (``OwnedModel``: ``ShardedTables`` for the item, user and side-feature
+tables, the dense task replicated with its gradients all-reduced) on the same batches and
 give bitwise the same result on CPU; they differ in when the embedding exchanges happen.
 
 ``sync`` (the reference), per step: exchange the batch's ids, look up and exchange its rows,
@@ -72,39 +72,75 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from freescale.data.batch import Batch
+from freescale.data.batch import Batch, SideLayout
 from freescale.device import Streams, to_device
 from freescale.embedding.exchange import PendingRoute, Route, ShardedTables, counts_by
 from freescale.embedding.replicated import row_gradients
 from freescale.embedding.rows import in_rows, split_rows
 from freescale.ft.replica import COMMITTED, NullReplica
 from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, build_task, task_arguments, task_settings
+from freescale.model.side import SideSpec, pool_bags, side_specs
 from freescale.transport.base import HIGH, NORMAL
 
 
 class OwnedModel(nn.Module):
-    """The sequence model over ``ShardedTables``: the tables' rows come in, the loss goes out."""
+    """The sequence model over ``ShardedTables``: the tables' rows come in, the loss goes out.
 
-    def __init__(self, tables: ShardedTables, task: nn.Module, user_features: bool) -> None:
+    The tables are the item table, the user table (``model.user_features``) and one per side
+    feature (``side``, in ``side_specs`` order). A side feature's every value is looked up as a
+    row, and its rows are pooled per bag in the dense part (``pool_bags``): a user feature's bags
+    are the samples; a sequence item feature's the history events, then the candidates; a pooled
+    item feature's only the candidates (the history events' values are not sent)."""
+
+    def __init__(self, tables: ShardedTables, task: nn.Module, user_features: bool,
+                 side: list[SideSpec] = ()) -> None:
         super().__init__()
         self.tables = tables
         self.task = task
         self.user_features = user_features
+        self.side = list(side)
+        self.first_side_table = 2 if user_features else 1
+
+    def side_bags(self, batch: Batch) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(ids, bag lengths) of each side feature, as ``segments`` sends them (host tensors)."""
+        if not self.side:
+            return []
+        users, items = batch.user_side_features.to_dict(), batch.item_side_features.to_dict()
+        n_uih = int(batch.uih_lengths.sum())
+        bags = []
+        for spec in self.side:
+            jagged = (users if spec.user else items)[spec.key]
+            if spec.user or spec.sequence:
+                bags.append((jagged.values(), jagged.lengths()))
+            else:  # the candidates' bags alone
+                start = int(jagged.offsets()[n_uih])
+                bags.append((jagged.values()[start:], jagged.lengths()[n_uih:]))
+        return bags
 
     def segments(self, batch: Batch) -> list[tuple[int, torch.Tensor]]:
         """(table, global ids) of the batch in the order its rows are used: UIH and candidates,
-        users (host tensors: the batch's ids stay on the host)."""
+        users, each side feature's values (host tensors: the batch's ids stay on the host)."""
         segs = [(0, batch.seq_features.values())]
         if self.user_features:
             segs.append((1, batch.user_features.values()))
+        segs += [(self.first_side_table + t, ids) for t, (ids, _) in enumerate(self.side_bags(batch))]
         return segs
 
     def dense(self, batch: Batch, rows: torch.Tensor):
         """(loss, StepOutput) from the batch's rows in ``segments`` order."""
         n_uih = int(batch.uih_lengths.sum())  # (host tensors: no wait)
         n_items = batch.seq_features.values().numel()
-        user = rows[n_items:] if self.user_features else None
-        return self.task(rows[:n_uih], rows[n_uih:n_items], user, *task_arguments(batch))
+        n_users = len(batch) if self.user_features else 0
+        user = rows[n_items:n_items + n_users] if self.user_features else None
+        if not self.side:
+            return self.task(rows[:n_uih], rows[n_uih:n_items], user, *task_arguments(batch))
+        user_side, item_side = {}, {}
+        at = n_items + n_users
+        for spec, (ids, lengths) in zip(self.side, self.side_bags(batch)):
+            pooled = pool_bags(rows[at:at + ids.numel()], lengths, spec.max_values, spec.pooling)
+            (user_side if spec.user else item_side)[spec.key] = pooled
+            at += ids.numel()
+        return self.task(rows[:n_uih], rows[n_uih:n_items], user, user_side, item_side, *task_arguments(batch))
 
     # Checkpoints: the dense part as usual, the tables as row-sharded DTensors.
 
@@ -119,17 +155,24 @@ class OwnedModel(nn.Module):
 
 
 def build_owned_model(cfg, *, num_items: int, max_uih_len: int, topology, seed: int,
-                      device: torch.device | str = "cpu") -> OwnedModel:
+                      device: torch.device | str = "cpu", side_layout: SideLayout = SideLayout()) -> OwnedModel:
     """The model with its tables sharded row-wise over the replica's ranks (``cfg``: the
-    experiment), tables and dense part on ``device``."""
+    experiment; ``side_layout``: the source's side features), tables and dense part on ``device``."""
+    from freescale.config import check_owned_side_dim
+
+    for i in range(len(cfg.model.side_features)):
+        check_owned_side_dim(cfg.model, i, "train.pipeline sync and prioritized, freescale verify")
+    side = side_specs(cfg.model, side_layout)
     tables = {ITEM_TABLE: num_items}
     if cfg.model.user_features:
         tables[USER_TABLE] = cfg.model.user_hash_size
+    tables.update({spec.table: spec.rows for spec in side})
     sharded = ShardedTables(tables, cfg.model.embedding_dim, rank=topology.rank, world_size=topology.world_size,
                             group=topology.pg, optimizer=cfg.embedding.optimizer, lr=cfg.embedding.lr,
                             init_std=cfg.embedding.init_std, seed=seed, device=device)
     settings = {**task_settings(cfg), "max_uih_len": max_uih_len}
-    return OwnedModel(sharded, build_task(cfg.model, **settings).to(device), cfg.model.user_features)
+    task = build_task(cfg.model, **settings, side_specs=side).to(device)
+    return OwnedModel(sharded, task, cfg.model.user_features, side)
 
 
 class DenseReduction:

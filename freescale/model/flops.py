@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Protocol, Sequence
 import numpy as np
 import torch
 
+from freescale.config import reads_user_row
+
 if TYPE_CHECKING:
     from freescale.config import ModelConfig
 
@@ -85,12 +87,12 @@ def seqrec_flops(cfg: ModelConfig, uih_lengths, cand_counts) -> float:
     dim = model_width(cfg)
     total = 0.0
     if dim != cfg.embedding_dim:
-        total += matmul(tokens + cands + (samples if cfg.user_features else 0.0), dim, cfg.embedding_dim)
+        total += matmul(tokens + cands + (samples if reads_user_row(cfg) else 0.0), dim, cfg.embedding_dim)
     per_layer = (mlp(tokens, [dim, 3 * dim]) + mlp(tokens, [dim, dim]) + attention(L, L, dim, dim)
                  + mlp(tokens, [dim, cfg.ffn_mult * dim, dim]))
     total += cfg.num_layers * per_layer
     total += mlp(tokens, [dim, 2 * dim]) + mlp(cands, [dim, dim]) + attention(C, L, dim, dim)
-    head_in = 4 * dim if cfg.user_features else 3 * dim
+    head_in = 4 * dim if reads_user_row(cfg) else 3 * dim
     total += mlp(cands, [head_in, *cfg.mlp_dims, 1])
     return float(total)
 

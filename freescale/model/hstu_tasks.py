@@ -35,6 +35,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from freescale.config import reads_user_row
 from freescale.device import to_device
 from freescale.model.dropout import KeyedDropout, token_keys
 from freescale.model.hstu import HSTUEncoder, HSTULayout
@@ -139,7 +140,7 @@ class HSTURankingTask(_HSTUTask):
 
     def __init__(self, cfg: ModelConfig, max_len: int, num_labels: int = 1, seed: int = 0) -> None:
         super().__init__(cfg, max_len, seed)
-        width = (3 if cfg.user_features else 2) * self.dim
+        width = (3 if reads_user_row(cfg) else 2) * self.dim
         self.heads = nn.ModuleList(_mlp([width, *cfg.mlp_dims], 1) for _ in range(num_labels))
 
     def sequence(self, uih_lengths: torch.Tensor, cand_counts: torch.Tensor):
@@ -181,7 +182,7 @@ class HSTURankingTask(_HSTUTask):
         tokens, cands = int((uih_lengths + cand_counts).sum()), int(cand_counts.sum())
         head = sum(2 * cands * lin.in_features * lin.out_features for h in self.heads for lin in h
                    if isinstance(lin, nn.Linear))
-        users = len(uih_lengths) if self.cfg.user_features else 0
+        users = len(uih_lengths) if reads_user_row(self.cfg) else 0
         project = 0 if self.project is None else 2 * (tokens + users) * self.cfg.embedding_dim * self.dim
         return float(self.encoder.flops(uih_lengths + cand_counts, cand_counts) + head + project)
 

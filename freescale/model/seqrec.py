@@ -2,9 +2,11 @@
 
 ``SeqRecModel.forward`` only routes features: the item ids of histories and candidates go
 through one ``EmbeddingCollection`` table (sequence embeddings), the hashed user id through an
-``EmbeddingBagCollection`` (pooled), and everything dense, whose shapes depend on the data,
-sits in ``SeqRecTask``. TorchRec's pipelines FX-trace the top-level forward to find the
-sharded modules' inputs and treat ``SeqRecTask`` as one leaf, so it may branch on the data.
+``EmbeddingBagCollection`` (pooled), the side features (``model.side_features``) through one
+``EmbeddingBagCollection`` of user tables and one of item tables (``freescale.model.side``), and
+everything dense, whose shapes depend on the data, sits in ``SeqRecTask``. TorchRec's pipelines
+FX-trace the top-level forward to find the sharded modules' inputs and treat ``SeqRecTask`` as
+one leaf, so it may branch on the data.
 
 ``SeqRecTask``: positional embeddings on the UIH, a pre-norm transformer encoder over the
 jagged UIH, candidate-target attention (each candidate attends over its own sample's encoded
@@ -25,11 +27,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from freescale.config import reads_user_row
 from freescale.data.features import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.device import to_device
 from freescale.model.flops import seqrec_flops
 from freescale.model.jagged_attention import JaggedLayout, offsets_of
 from freescale.model.output import StepOutput
+from freescale.model.side import SideFeaturesTask, SideJoin, SideSpec
 
 __all__ = ["ITEM_TABLE", "USER_TABLE", "SeqRecModel", "SeqRecTask", "StepOutput", "build_task", "task_settings"]
 
@@ -72,7 +76,7 @@ class SeqRecTask(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.target_q = nn.Linear(dim, dim)
         self.target_kv = nn.Linear(dim, 2 * dim)
-        widths = [4 * dim if cfg.user_features else 3 * dim, *cfg.mlp_dims]
+        widths = [4 * dim if reads_user_row(cfg) else 3 * dim, *cfg.mlp_dims]
         mlp: list[nn.Module] = []
         for a, b in zip(widths, widths[1:]):
             mlp += [nn.Linear(a, b), nn.ReLU()]
@@ -100,9 +104,10 @@ class SeqRecTask(nn.Module):
         stream_positions: torch.Tensor | None = None,
     ):
         """(loss, StepOutput) of the histories' rows ``uih`` [sum(uih_lengths), D], the candidates'
-        ``cand`` [sum(cand_counts), D] and the users' ``user_rows`` [samples, D] (None without
-        user features), on the model's device, and ``labels`` [sum(cand_counts), K]; ``uih_lengths``,
-        ``cand_counts`` (and the ``sample_ids`` and ``batch_index`` passed through) are host tensors.
+        ``cand`` [sum(cand_counts), D] and the users' ``user_rows`` [samples, D] (None without a
+        user row: ``config.reads_user_row``), on the model's device, and ``labels``
+        [sum(cand_counts), K]; ``uih_lengths``, ``cand_counts`` (and the ``sample_ids`` and
+        ``batch_index`` passed through) are host tensors.
         Every task takes the same arguments (``TASK_ARGUMENTS``); this one has no use for the item
         ids or the timestamps."""
         device = uih.device
@@ -140,7 +145,7 @@ class SeqRecModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, emb: EmbeddingSettings, *, num_items: int, max_uih_len: int,
                  device: torch.device, task_cfg: TaskConfig | None = None, num_labels: int = 1,
-                 max_candidates: int = 1, seed: int = 0) -> None:
+                 max_candidates: int = 1, seed: int = 0, side_specs: list[SideSpec] = ()) -> None:
         from torchrec.modules.embedding_configs import EmbeddingBagConfig, EmbeddingConfig, PoolingType
         from torchrec.modules.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
 
@@ -160,13 +165,33 @@ class SeqRecModel(nn.Module):
             if cfg.user_features
             else None
         )
+
+        def side_tables(specs: list[SideSpec]):
+            """An EmbeddingBagCollection of a table per side feature (None for none)."""
+            pooling = {"sum": PoolingType.SUM, "mean": PoolingType.MEAN}
+            return EmbeddingBagCollection(
+                tables=[EmbeddingBagConfig(name=s.table, embedding_dim=s.dim, num_embeddings=s.rows,
+                                           feature_names=[s.key], pooling=pooling[s.pooling], init_fn=init)
+                        for s in specs],
+                device=device,
+            ) if specs else None
+
+        self.user_side_ebc = side_tables([s for s in side_specs if s.user])
+        self.item_side_ebc = side_tables([s for s in side_specs if not s.user])
+        self.side_specs = list(side_specs)
         self.task = build_task(cfg, max_uih_len=max_uih_len, task_cfg=task_cfg, num_labels=num_labels,
-                               max_candidates=max_candidates, seed=seed)
+                               max_candidates=max_candidates, seed=seed, side_specs=side_specs)
 
     def forward(self, batch: Batch):
         seq = self.item_ec(batch.seq_features)
         user = self.user_ebc(batch.user_features)[USER_FEATURE] if self.user_ebc is not None else None
-        return self.task(seq[UIH_FEATURE].values(), seq[CANDIDATE_FEATURE].values(), user, *task_arguments(batch))
+        rows = (seq[UIH_FEATURE].values(), seq[CANDIDATE_FEATURE].values(), user)
+        if not self.side_specs:
+            return self.task(*rows, *task_arguments(batch))
+        # The side rows as {key: pooled rows} (the item features' a bag per history event, then per candidate).
+        user_side = self.user_side_ebc(batch.user_side_features).to_dict() if self.user_side_ebc is not None else {}
+        item_side = self.item_side_ebc(batch.item_side_features).to_dict() if self.item_side_ebc is not None else {}
+        return self.task(*rows, user_side, item_side, *task_arguments(batch))
 
 
 TASK_ARGUMENTS = ("item_ids", "uih_lengths", "cand_counts", "uih_timestamps", "cand_timestamps", "labels",
@@ -179,10 +204,18 @@ def task_arguments(batch: Batch) -> tuple:
 
 
 def build_task(cfg: ModelConfig, *, max_uih_len: int, task_cfg: TaskConfig | None = None, num_labels: int = 1,
-               max_candidates: int = 1, seed: int = 0) -> nn.Module:
+               max_candidates: int = 1, seed: int = 0, side_specs: list[SideSpec] = ()) -> nn.Module:
     """The dense task ``model.kind`` and ``task.kind`` name (ranking with the transformer or HSTU,
     retrieval with HSTU); ``max_candidates``: the most candidates a sample has (HSTU's ranking
-    appends them to the history, so its maximum sequence is ``max_uih_len + max_candidates``)."""
+    appends them to the history, so its maximum sequence is ``max_uih_len + max_candidates``).
+    With side features (``side_specs``) the task joins their rows first (``SideFeaturesTask``)."""
+    task = _dense_task(cfg, max_uih_len=max_uih_len, task_cfg=task_cfg, num_labels=num_labels,
+                       max_candidates=max_candidates, seed=seed)
+    return SideFeaturesTask(task, SideJoin(list(side_specs), cfg.embedding_dim)) if side_specs else task
+
+
+def _dense_task(cfg: ModelConfig, *, max_uih_len: int, task_cfg: TaskConfig | None, num_labels: int,
+                max_candidates: int, seed: int) -> nn.Module:
     kind = task_cfg.kind if task_cfg is not None else "ranking"
     if cfg.kind == "transformer":
         if kind != "ranking":

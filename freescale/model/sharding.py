@@ -37,16 +37,19 @@ def shard_model(model: nn.Module, cfg: EmbeddingConfig, topology: Topology, devi
     """Fuse the embedding optimizer, plan the sharding on the replica's rank 0 (every rank gets
     its plan) and wrap in DMP over the replica's group."""
     pg = topology.pg
-    for module in (m for m in (getattr(model, "item_ec", None), getattr(model, "user_ebc", None)) if m is not None):
+    tables = [getattr(model, name, None) for name in ("item_ec", "user_ebc", "user_side_ebc", "item_side_ebc")]
+    for module in (m for m in tables if m is not None):
         apply_optimizer_in_backward(EMBEDDING_OPTIMIZERS[cfg.optimizer], module.parameters(), {"lr": cfg.lr})
     sharders = [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
     constraints = None
     if cfg.sharding != "auto":
-        # Pooled tables shard row-wise only on accelerators in TorchRec. Column-wise gives every
-        # rank a slice, so all ranks take part in the same collectives in the same order.
+        # Pooled tables (the user's, the side features') shard row-wise only on accelerators in
+        # TorchRec. Column-wise gives every rank a slice, so all ranks take part in the same
+        # collectives in the same order.
+        pooled = [USER_TABLE, *(s.table for s in getattr(model, "side_specs", ()))]
         constraints = {
             ITEM_TABLE: ParameterConstraints(sharding_types=[SHARDING_TYPES[cfg.sharding].value]),
-            USER_TABLE: ParameterConstraints(sharding_types=[ShardingType.COLUMN_WISE.value]),
+            **{name: ParameterConstraints(sharding_types=[ShardingType.COLUMN_WISE.value]) for name in pooled},
         }
     planner = EmbeddingShardingPlanner(
         topology=PlannerTopology(world_size=topology.world_size, compute_device=device.type,

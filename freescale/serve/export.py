@@ -22,7 +22,8 @@ own row-wise blocks) into one tensor, with no process group. Then:
   loader (``freescale.serve.standalone``: torch, TorchRec and fbgemm only).
 
 The folder is written next to ``--out`` and renamed into place once complete: an export that
-fails leaves nothing half-written.
+fails leaves nothing half-written. A model that reads side features (``model.side_features``) is
+refused: the served program and ``serve.py`` take item and user ids only.
 """
 
 from __future__ import annotations
@@ -96,6 +97,10 @@ def read_trained(run_dir: str, step: int | None = None) -> Trained:
         cfg = load_config(os.path.join(run_dir, "config.yaml"))
     except ConfigError as e:
         raise ExportError(f"{run_dir}/config.yaml: {e}") from None
+    if cfg.model.side_features:
+        names = ", ".join(f.name for f in cfg.model.side_features)
+        raise ExportError(f"{run_dir}: the model reads side features ({names}); serving does not feed them yet, "
+                          f"so it cannot be exported")
     try:
         meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as e:

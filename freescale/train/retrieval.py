@@ -13,8 +13,9 @@ the top 10).
 
 The table is never gathered in one place. Each rank of the replica takes a contiguous share of
 the item ids and computes their item vectors through the same evaluation forward the held-out
-samples go through (batches whose candidates are those ids and whose histories are empty, so
-every pipeline, TorchRec's tables or FreeScale's, looks them up its own way); the queries and
+samples go through (batches whose candidates are those ids, with their side features from the
+source, and whose histories are empty, so every pipeline, TorchRec's tables or FreeScale's,
+looks them up its own way); the queries and
 the histories are gathered to every rank, each rank scores them against its share, and two
 all-reduces add up the target's score (from the rank that holds the target) and the counts.
 In one process without a process group (``freescale export``) the share is the whole table and
@@ -28,7 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from freescale.data.batch import Batch, Samples
+from freescale.data.batch import PADDING, Batch, Samples, SideLayout
 from freescale.model.jagged_attention import offsets_of
 
 ITEM_BATCH = 4096
@@ -49,10 +50,13 @@ def rank_metrics(ranks: np.ndarray, ks: list[int]) -> dict:
     return out
 
 
-def item_batches(num_items: int, rank: int, world_size: int, user_hash_size: int) -> tuple[int, list[Batch]]:
+def item_batches(num_items: int, rank: int, world_size: int, user_hash_size: int, source=None
+                 ) -> tuple[int, list[Batch]]:
     """(first id, batches) of this rank's share of the item ids: one sample per batch with an
-    empty history and the ids as candidates. Every rank makes the same number of batches (each
-    forward is a collective); a batch past the end of the table holds item 0 alone."""
+    empty history and the ids as candidates, with their side features from ``source`` (its
+    ``side_layout`` and ``item_side``; None: none). Every rank makes the same number of batches
+    (each forward is a collective); a batch past the end of the table holds item 0 alone."""
+    layout = source.side_layout if source is not None else SideLayout()
     per_rank = -(-num_items // world_size)
     lo, hi = min(rank * per_rank, num_items), min((rank + 1) * per_rank, num_items)
     batches = []
@@ -64,7 +68,9 @@ def item_batches(num_items: int, rank: int, world_size: int, user_hash_size: int
                           uih_lengths=np.zeros(1, dtype=np.int64), uih_values=np.zeros(0, dtype=np.int64),
                           uih_timestamps=np.zeros(0, dtype=np.int64), cand_counts=np.array([len(ids)]),
                           cand_values=ids, cand_timestamps=np.zeros(len(ids), dtype=np.int64),
-                          labels=np.zeros((len(ids), 1), dtype=np.float32))
+                          labels=np.zeros((len(ids), 1), dtype=np.float32),
+                          user_side=np.full((1, layout.user_width), PADDING, dtype=np.int64),
+                          cand_side=source.item_side(ids) if source is not None else None, side_layout=layout)
         batches.append(Batch.from_samples(samples, i, user_hash_size))
     return lo, batches
 
@@ -124,13 +130,13 @@ def target_ranks(queries: torch.Tensor, share: torch.Tensor, lo: int, targets: n
 
 
 def evaluate_retrieval(model, held_out: list[Batch], *, num_items: int, ks: list[int], exclude_history: bool,
-                       group: dist.ProcessGroup | None, user_hash_size: int) -> dict:
+                       group: dist.ProcessGroup | None, user_hash_size: int, source=None) -> dict:
     """The metrics above over every rank's held-out samples; ``model(batch) -> (loss, StepOutput)``
     is the pipeline's evaluation forward (a collective: every rank calls this together).
     ``group=None``: one process without a process group holds the model whole (``freescale
-    export``)."""
+    export``). ``source``: where the items' side features come from (None: no side features)."""
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
-    lo, batches = item_batches(num_items, rank, world, user_hash_size)
+    lo, batches = item_batches(num_items, rank, world, user_hash_size, source)
     share = _share([model(b)[1].items for b in batches], lo, num_items, world)  # [n_share, D]
 
     queries, targets, histories = [], [], []

@@ -19,12 +19,14 @@ import torch
 import torch.nn as nn
 
 from freescale.config import ConfigError, ExperimentConfig, TrainConfig
+from freescale.data.batch import SideLayout
 from freescale.distributed import Topology
 from freescale.embedding.pipeline import build_owned_model
 from freescale.embedding.replicated import OwnedRows
 from freescale.ft.rows import FusedTables
 from freescale.ft.table_sync import TableSync
 from freescale.model.seqrec import SeqRecModel, task_settings
+from freescale.model.side import side_specs
 from freescale.model.sharding import build_dense_optimizer, build_optimizer, dense_part, shard_model
 
 
@@ -35,9 +37,9 @@ class TorchRecTables:
         """They run wherever TorchRec does."""
 
     def build_model(self, cfg: ExperimentConfig, *, num_items: int, topology: Topology,
-                    device: torch.device) -> nn.Module:
+                    device: torch.device, side_layout: SideLayout = SideLayout()) -> nn.Module:
         model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items, **task_settings(cfg),
-                            device=torch.device("meta"))
+                            device=torch.device("meta"), side_specs=side_specs(cfg.model, side_layout))
         return shard_model(model, cfg.embedding, topology, device)
 
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig):
@@ -70,9 +72,9 @@ class OwnedTables:
                               f"(resolved: {device.type})")
 
     def build_model(self, cfg: ExperimentConfig, *, num_items: int, topology: Topology,
-                    device: torch.device) -> nn.Module:
+                    device: torch.device, side_layout: SideLayout = SideLayout()) -> nn.Module:
         return build_owned_model(cfg, num_items=num_items, max_uih_len=cfg.data.max_uih_len, topology=topology,
-                                 seed=cfg.run.seed, device=device)
+                                 seed=cfg.run.seed, device=device, side_layout=side_layout)
 
     def build_optimizer(self, model: nn.Module, cfg: TrainConfig):
         """The dense optimizer alone, over the task."""

@@ -41,6 +41,7 @@ from freescale.ft.replica import ReplicaFiles, build_replica
 from freescale.io import write_json_atomic
 from freescale.logging import log_file_path, log_to_file, setup_logging
 from freescale.model.flops import matmul_widths, training_flops
+from freescale.model.side import side_specs
 from freescale.profile import mfu
 from freescale.profile.mfu import FlopsTally
 from freescale.profile.peak import PEAK_FILE, matmul_peak
@@ -130,8 +131,10 @@ class Inputs:
 
 
 def read_inputs(cfg: ExperimentConfig) -> Inputs:
-    """The data sources, the checkpoint to resume and the cost model; raises on bad input."""
+    """The data sources, the checkpoint to resume and the cost model; raises on bad input (a side
+    feature of ``model.side_features`` the source does not have included)."""
     train_source, eval_source = build_sources(cfg.data, cfg.run.seed, task=cfg.task)
+    side_specs(cfg.model, train_source.side_layout)
     resume_from = resolve_checkpoint(cfg.checkpoint.resume) if cfg.checkpoint.resume else ""
     return Inputs(train_source, eval_source, resume_from, load_cost_model(cfg.balance.cost_model))
 
@@ -152,7 +155,8 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     # Model and optimizer, for the tables the pipeline trains: TorchRec's (sharded and
     # materialized by DMP) or FreeScale's own (``freescale.train.tables``).
     torch.manual_seed(cfg.run.seed)
-    training = build_training(cfg, num_items=inputs.train_source.num_items, topology=topo, device=device)
+    training = build_training(cfg, num_items=inputs.train_source.num_items, topology=topo, device=device,
+                              side_layout=inputs.train_source.side_layout)
     model, optimizer = training.model, training.optimizer
 
     # State that survives a restart; resume it from the checkpoint.
@@ -243,7 +247,7 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
         paused = time.perf_counter()
         if held_out and _due(trainer.step, cfg.train.eval_every, cfg.train.steps):
             metrics.write({"step": trainer.step, **_evaluate(pipeline, held_out, log, trainer.step, group, cfg,
-                                                             inputs.train_source.num_items)})
+                                                             inputs.train_source)})
         if _due(trainer.step, cfg.checkpoint.every, cfg.train.steps if cfg.checkpoint.at_end else 0):
             pipeline.drain()  # every update the trained batches owe is in the tables
             log.info(f"checkpoint {checkpointer.save(trainer.step, state)}", extra={"step": trainer.step})
@@ -266,7 +270,7 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     }
     if trainer.step == first_step:
         log.info(f"nothing to train: already at step {trainer.step} of {cfg.train.steps}")
-        summary.update(_evaluate(pipeline, held_out, log, trainer.step, group, cfg, inputs.train_source.num_items))
+        summary.update(_evaluate(pipeline, held_out, log, trainer.step, group, cfg, inputs.train_source))
     else:
         summary.update(_last_eval(run_dir) if topo.is_main else {})
     timeline.finish()
@@ -365,15 +369,16 @@ def _log_progress(step: int, window: StepWindow, metrics: MetricsLog, log: loggi
 
 
 def _evaluate(pipeline: TrainPipeline, held_out: list, log: logging.Logger, step: int, group: dist.ProcessGroup,
-              cfg: ExperimentConfig, num_items: int) -> dict:
+              cfg: ExperimentConfig, items: SampleSource) -> dict:
     """Ranking: AUC, normalized entropy, calibration, log loss and GAUC per label over every
     rank's held-out samples (TorchRec's metrics, reduced across the replica's ranks); retrieval:
-    HR@K, NDCG@K and MRR of the held-out next items ranked against the whole item table."""
+    HR@K, NDCG@K and MRR of the held-out next items ranked against the whole item table
+    (``items``: the source of its size and of the items' side features)."""
     if cfg.task.kind == "retrieval":
         with pipeline.evaluating() as model:
-            result = evaluate_retrieval(model, held_out, num_items=num_items, ks=cfg.task.eval_ks,
+            result = evaluate_retrieval(model, held_out, num_items=items.num_items, ks=cfg.task.eval_ks,
                                         exclude_history=cfg.task.exclude_history, group=group,
-                                        user_hash_size=cfg.model.user_hash_size)
+                                        user_hash_size=cfg.model.user_hash_size, source=items)
         if result:
             log.info(retrieval_line(result, cfg.task.eval_ks), extra={"step": step})
         return result

@@ -15,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from freescale.config import ExperimentConfig
+from freescale.data.batch import SideLayout
 from freescale.distributed import Topology
 from freescale.model.sharding import dense_parameters
 from freescale.train.pipelines import PIPELINES, TrainPipeline
@@ -65,9 +66,11 @@ class Training:
                                          transport_cfg=self.cfg.transport, replica=replica)
 
 
-def build_training(cfg: ExperimentConfig, *, num_items: int, topology: Topology, device: torch.device) -> Training:
-    """The model (its tables sharded over the replica's ranks) and its optimizer, for ``train.pipeline``."""
+def build_training(cfg: ExperimentConfig, *, num_items: int, topology: Topology, device: torch.device,
+                   side_layout: SideLayout = SideLayout()) -> Training:
+    """The model (its tables sharded over the replica's ranks; ``side_layout``: the source's side
+    features, of which it reads ``model.side_features``) and its optimizer, for ``train.pipeline``."""
     pipeline_class = PIPELINES[cfg.train.pipeline]
     tables = pipeline_class.table_kind
-    model = tables.build_model(cfg, num_items=num_items, topology=topology, device=device)
+    model = tables.build_model(cfg, num_items=num_items, topology=topology, device=device, side_layout=side_layout)
     return Training(cfg, model, tables.build_optimizer(model, cfg.train), pipeline_class)

@@ -79,7 +79,8 @@ def _run(cfg: ExperimentConfig, mode: str, steps: int, topo, inputs, log, device
     balancer = build_balancer(cfg.balance, cfg.transport, inputs.cost_model, group=topo.pg,
                               user_hash_size=cfg.model.user_hash_size)
     model = build_owned_model(cfg, num_items=inputs.train_source.num_items, max_uih_len=cfg.data.max_uih_len,
-                              topology=topo, seed=cfg.run.seed, device=device)
+                              topology=topo, seed=cfg.run.seed, device=device,
+                              side_layout=inputs.train_source.side_layout)
     optimizer = build_dense_optimizer(model.task, cfg.train)
     pipeline = build_pipeline(mode, model, optimizer, device, NullTimeline(), group=topo.pg,
                               transport_cfg=cfg.transport)

@@ -19,7 +19,9 @@ B = 24
 
 
 def source(num_labels=1):
-    cfg = SyntheticDataConfig(median_uih_len=16, tail_prob=0.1, tail_min_len=200, tail_alpha=1.0, num_labels=num_labels)
+    # (Side features on: a user's and every item's slots travel with the sample too.)
+    cfg = SyntheticDataConfig(median_uih_len=16, tail_prob=0.1, tail_min_len=200, tail_alpha=1.0, num_labels=num_labels,
+                              user_features=True, item_features=True)
     return SyntheticSource(cfg, seed=7, split="train", min_uih_len=1, max_uih_len=3000, num_candidates=3)
 
 

@@ -244,6 +244,35 @@ def test_verify_cli_is_bitwise_with_hstu(task, extra):
     assert len(table) == 6 and all(float(row[-1]) == 0.0 for row in table)
 
 
+SIDE_DATA = ["--data.synthetic.user_features=true", "--data.synthetic.item_features=true"]
+
+
+@pytest.mark.parametrize("extra", [
+    ["--model.side_features=[{name: user:clusters, pooling: mean}, {name: item:cluster}]"],
+    ["--model.kind=hstu", "--model.side_features=[{name: user:clusters}, {name: item:cluster, kind: sequence}]"],
+    ["--model.kind=hstu", "--task.kind=retrieval", "--task.num_negatives=16", "--model.user_features=false",
+     "--model.side_features=[{name: item:cluster, kind: sequence, pooling: mean}]"],
+], ids=["transformer-pooled", "hstu-sequence", "hstu-retrieval"])
+def test_verify_cli_is_bitwise_with_side_features(extra):
+    # The side tables are owned tables like the others (a pooled item feature sends its candidates'
+    # values only); their rows, states and the join's projections are compared too.
+    proc = check(torchrun(2, "verify", "--config", str(QUICKSTART), *FAST, "--steps=6", "--balance.enable=true",
+                          "--data.synthetic.num_items=512", *SIDE_DATA, *extra, timeout=600))
+    assert "bitwise identical" in proc.stdout and "NOT" not in proc.stdout
+    table = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
+    assert len(table) == 6 and all(float(row[-1]) == 0.0 for row in table)
+
+
+def test_verify_refuses_a_side_feature_the_source_lacks_or_own_tables_cannot_hold():
+    proc = freescale("verify", "--config", str(QUICKSTART), "--model.side_features=[{name: user:clusters}]")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1] == ("freescale: error: model.side_features[0].name: the source has no "
+                                                    "side feature user:clusters (it has: none)")
+    proc = freescale("verify", "--config", str(QUICKSTART), *SIDE_DATA, "--model.side_features=[{name: user:clusters, "
+                     "dim: 8}]")
+    assert proc.returncode == 2 and "model.side_features[0].dim: FreeScale's own tables" in proc.stderr
+
+
 def test_verify_cli_refuses_a_single_step():
     proc = freescale("verify", "--config", str(QUICKSTART), "--steps=1")
     assert proc.returncode == 2 and "--steps: expected at least 2" in proc.stderr

@@ -105,3 +105,29 @@ def test_first_line_of_an_error():
     assert first_line(RuntimeError("  gloo: connection reset\n  at pair.cc:537\n")) == "gloo: connection reset"
     assert first_line(TimeoutError()) == "TimeoutError"
     assert first_line("one\ntwo") == "one"
+
+
+def test_a_side_feature_the_source_lacks_fails_before_a_run_folder_exists(tmp_path):
+    proc = freescale("train", "--config", str(QUICKSTART), f"--run.out_dir={tmp_path}",
+                     "--data.synthetic.item_features=true",
+                     "--model.side_features=[{name: item:cluster}, {name: user:clusters}]", timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["freescale: error: model.side_features[1].name: the source has no side "
+                                                "feature user:clusters (it has: item:cluster)"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_export_refuses_a_model_with_side_features_in_one_line(tmp_path):
+    """Serving feeds item and user ids only: a model that reads side features is not exported."""
+    from freescale.config import load_config, write_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000003").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000003" / ".metadata").write_bytes(b"")
+    write_config(load_config(QUICKSTART, ["--data.synthetic.item_features=true",
+                                          "--model.side_features=[{name: item:cluster}]"]), str(run / "config.yaml"))
+    proc = freescale("export", str(run), "--out", str(tmp_path / "out"), timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"freescale: error: {run}: the model reads side features (item:cluster); "
+                                                "serving does not feed them yet, so it cannot be exported"]
+    assert not (tmp_path / "out").exists()

@@ -193,3 +193,25 @@ def test_retrieval_candidates_are_the_next_item_then_uniform_negatives():
     assert not np.array_equal(retrieval(seed=4).samples_at(pos).cand_values, s.cand_values)
     e = retrieval("eval").samples_at(pos)
     assert e.sample_ids.min() >= EVAL_ID_OFFSET and not np.array_equal(e.cand_values, s.cand_values)
+
+
+def test_side_features_state_the_clusters_and_draw_nothing():
+    pos = np.arange(BLOCK - 40, BLOCK + 40)
+    plain = source().samples_at(pos)
+    src = source(user_features=True, item_features=True)
+    side = src.samples_at(pos)
+    for name in plain.__dataclass_fields__:  # the samples themselves are the same
+        if name not in ("user_side", "uih_side", "cand_side", "side_layout"):
+            np.testing.assert_array_equal(getattr(side, name), getattr(plain, name), err_msg=name)
+    assert [(f.name, f.num_values, f.max_values) for f in side.side_layout.user] == [("clusters", 16, 2)]
+    assert [(f.name, f.num_values, f.max_values) for f in side.side_layout.item] == [("cluster", 16, 1)]
+    np.testing.assert_array_equal(side.user_side, src.preferred_clusters(side.user_ids))
+    np.testing.assert_array_equal(side.uih_side, (side.uih_values % 16)[:, None])
+    np.testing.assert_array_equal(side.cand_side, (side.cand_values % 16)[:, None])
+    assert plain.user_side.shape == (len(pos), 0) and plain.side_layout == source().side_layout
+    # Retrieval's negatives carry their clusters too; item_side gives any item's.
+    retrieval = SyntheticSource(SyntheticDataConfig(item_features=True), seed=3, split="train", min_uih_len=1,
+                                max_uih_len=64, num_candidates=1, task="retrieval", num_negatives=5)
+    r = retrieval.samples_at(np.arange(20))
+    np.testing.assert_array_equal(r.cand_side[:, 0], r.cand_values % 16)
+    np.testing.assert_array_equal(retrieval.item_side(np.array([3, 17, 40])), [[3], [1], [8]])
