@@ -26,9 +26,10 @@ from collections import OrderedDict
 
 import numpy as np
 
-from freescale.data.batch import Samples
+from freescale.data.batch import PADDING, Samples, SideLayout
 from freescale.data.retrieval import next_item_candidates
-from freescale.data.sample_files import LABEL_PREFIX, Manifest, SampleFileError, sample_schema
+from freescale.data.sample_files import (ITEM_PREFIX, ITEMS_FILE, LABEL_PREFIX, USER_PREFIX, Manifest, SampleFileError,
+                                         sample_schema)
 
 CACHE_ROW_GROUPS = 4
 """Decoded row groups a source keeps by default."""
@@ -72,10 +73,13 @@ class ParquetSource:
         self._group_start = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
         self._columns = ["sample_id", "user_id", "uih_items", "uih_times", "cand_items", "cand_times",
                          *(LABEL_PREFIX + name for name in self.labels)]
+        self.side_layout = SideLayout(user=tuple(m.user_features), item=tuple(m.item_features))
+        self._columns += [USER_PREFIX + f.name for f in m.user_features]
         self._with_seen = split == "eval" and task == "retrieval"
         if self._with_seen:
             self._columns.append("seen_items")
-        self._expected = sample_schema(self.labels, [], self._with_seen)
+        self._expected = sample_schema(self.labels, [f.name for f in m.user_features], self._with_seen)
+        self._items = self._item_table() if m.item_features else np.zeros((m.num_items, 0), dtype=np.int64)
         self._cache: OrderedDict[int, tuple[Samples, list[np.ndarray] | None]] = OrderedDict()
         self._capacity = max(1, cache_row_groups)
         self._opened: dict[int, object] = {}
@@ -84,6 +88,28 @@ class ParquetSource:
     @property
     def num_samples(self) -> int:
         return int(self._group_start[-1])
+
+    def item_side(self, item_ids: np.ndarray) -> np.ndarray:
+        """int64 [len(item_ids), side_layout.item_width]: the items' side features (padding -1)."""
+        return self._items[np.asarray(item_ids, dtype=np.int64)]
+
+    def _item_table(self) -> np.ndarray:
+        """``items.parquet`` as a dense [num_items, item_width] array (an item it lacks: padding)."""
+        import pyarrow.parquet as pq
+
+        path = os.path.join(self.folder, ITEMS_FILE)
+        if not os.path.isfile(path):
+            raise SampleFileError(f"{path}: the manifest declares item features but the file is missing")
+        try:
+            table = pq.read_table(path)
+        except Exception as e:
+            raise SampleFileError(f"{path}: not a readable Parquet file ({_one_line(e)})") from None
+        ids = _plain_column(table, "item_id", path)
+        if len(ids) and (ids.min() < 0 or ids.max() >= self.num_items):
+            raise SampleFileError(f"{path}: column 'item_id' has ids outside the manifest's {self.num_items} items")
+        out = np.full((self.num_items, self.side_layout.item_width), PADDING, dtype=np.int64)
+        out[ids] = _slots(table, [(ITEM_PREFIX + f.name, f) for f in self.side_layout.item], path)
+        return out
 
     def locate(self, position: int) -> tuple[str, int, int]:
         """(file, row group in the file, row in the group) of stream ``position``."""
@@ -189,6 +215,8 @@ class ParquetSource:
             sample_ids=_plain_column(table, "sample_id", where), user_ids=_plain_column(table, "user_id", where),
             uih_lengths=uih_len, uih_values=uih, uih_timestamps=uih_times,
             cand_counts=cand_len, cand_values=cand, cand_timestamps=cand_times, labels=labels.astype(np.float32),
+            user_side=_slots(table, [(USER_PREFIX + f.name, f) for f in self.side_layout.user], where),
+            uih_side=self.item_side(uih), cand_side=self.item_side(cand), side_layout=self.side_layout,
         )
         seen = None
         if self._with_seen:
@@ -205,6 +233,7 @@ class ParquetSource:
                                                              seed=self.seed, num_negatives=self.num_negatives,
                                                              num_items=self.num_items)
         s.cand_counts, s.cand_values, s.cand_timestamps, s.labels = counts, values, times, labels
+        s.cand_side = self.item_side(values)
         return s
 
 
@@ -230,3 +259,23 @@ def _list_column(table, name: str, where: str, lengths: np.ndarray | None = None
     if lengths is not None and not np.array_equal(got, lengths):
         raise SampleFileError(f"{where}: column {name!r} does not line up with the items it belongs to")
     return got, values.astype(np.int64 if values.dtype.kind in "iu" else np.float32, copy=False)
+
+
+def _slots(table, columns: list, where: str) -> np.ndarray:
+    """int64 [rows, sum of max_values]: the (column, SideFeature) list columns in slot order, each
+    row's values then padding; values outside a feature's ``num_values`` are refused."""
+    out = np.full((table.num_rows, sum(f.max_values for _, f in columns)), PADDING, dtype=np.int64)
+    at = 0
+    for name, feature in columns:
+        lengths, values = _list_column(table, name, where)
+        if len(lengths) and lengths.max() > feature.max_values:
+            raise SampleFileError(f"{where}: column {name!r} has a row of {lengths.max()} values, the manifest "
+                                  f"says at most {feature.max_values}")
+        if len(values) and (values.min() < 0 or values.max() >= feature.num_values):
+            raise SampleFileError(f"{where}: column {name!r} has value {values.max() if values.max() >= feature.num_values else values.min()} "
+                                  f"outside the manifest's {feature.num_values}")
+        row = np.repeat(np.arange(len(lengths)), lengths)
+        within = np.arange(len(values)) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+        out[row, at + within] = values
+        at += feature.max_values
+    return out
