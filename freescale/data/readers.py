@@ -40,11 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from freescale.data.batch import Samples
+from freescale.data.errors import DataError
 from freescale.data.retrieval import next_item_candidates
-
-
-class DataError(ValueError):
-    """A data file that cannot be read; the message is one line naming the file."""
 
 
 @dataclass
