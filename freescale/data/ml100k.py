@@ -19,7 +19,7 @@ import subprocess
 import sys
 import zipfile
 
-from freescale.data.readers import DataError
+from freescale.data.errors import DataError
 
 WHEEL = "recbole==1.2.1"
 FOLDER = "recbole/dataset_example/ml-100k/"
