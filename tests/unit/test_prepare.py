@@ -1,0 +1,188 @@
+"""``freescale prepare``'s samples against the reader's (``RatingsSource``) and the synthetic
+stream's, read back with pyarrow alone: same ids, users, histories (items, times, actions),
+candidates, labels, seen items and order, for both tasks and both splits."""
+
+import json
+import os
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from freescale.config import SyntheticDataConfig
+from freescale.data.ml100k import ensure_ml100k
+from freescale.data.prepare import Layout, SampleSettings, prepare_log, prepare_synthetic
+from freescale.data.readers import RatingsSource, read_ratings
+from freescale.data.synthetic import SyntheticSource
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CACHE = os.path.join(REPO, "runs", "cache")
+
+
+def quiet(message):
+    pass
+
+
+def read_split(folder, split):
+    manifest = json.load(open(os.path.join(folder, "manifest.json")))
+    files = manifest["splits"][split]["files"]
+    table = pa.concat_tables([pq.read_table(os.path.join(folder, f["path"])) for f in files])
+    assert table.num_rows == manifest["splits"][split]["rows"]
+    return table
+
+
+def lists(table, column):
+    """(lengths, values) of a list column."""
+    col = table.column(column).combine_chunks()
+    return col.value_lengths().to_numpy(zero_copy_only=False), col.flatten().to_numpy(zero_copy_only=False)
+
+
+def ratings_of(log, settings):
+    """Each history event's rating, in the reader's event order (the action prepare stores)."""
+    order = np.lexsort((np.arange(len(log.users)), log.timestamps, log.users))
+    return log.ratings[order]
+
+
+def assert_same_samples(folder, log_path, settings):
+    """Every split of the dataset at ``folder`` equals ``RatingsSource``'s over ``log_path``."""
+    log = read_ratings(log_path)
+    for split in ("train", "eval"):
+        src = RatingsSource(log, split=split, min_uih_len=settings.min_uih_len, max_uih_len=settings.max_uih_len,
+                            num_candidates=settings.num_candidates, positive_rating=settings.positive_rating,
+                            holdout_fraction=settings.holdout_fraction, more_labels=settings.more_labels,
+                            task=settings.task, window_stride=settings.window_stride)
+        positions = np.arange(src.num_samples)
+        want = src.samples_at(positions)
+        got = read_split(folder, split)
+        assert got.num_rows == src.num_samples
+        np.testing.assert_array_equal(got.column("sample_id").to_numpy(), want.sample_ids)
+        np.testing.assert_array_equal(got.column("user_id").to_numpy(), want.user_ids)
+        lengths, items = lists(got, "uih_items")
+        np.testing.assert_array_equal(lengths, want.uih_lengths)
+        np.testing.assert_array_equal(items, want.uih_values)
+        np.testing.assert_array_equal(lists(got, "uih_times")[1], want.uih_timestamps)
+        # Actions: the rating of each history event (the reader keeps only the labels).
+        uih_idx = np.concatenate([np.arange(s - n, s) for s, n in zip(src._cand_start, src._uih_len)])
+        np.testing.assert_array_equal(lists(got, "uih_actions")[1],
+                                      ratings_of(log, settings)[uih_idx].astype(np.float32))
+        counts, cands = lists(got, "cand_items")
+        if settings.task == "retrieval":
+            # The stored candidate is the next item alone; the reader's first candidate.
+            np.testing.assert_array_equal(counts, 1)
+            first = np.cumsum(want.cand_counts) - want.cand_counts
+            np.testing.assert_array_equal(cands, want.cand_values[first])
+            np.testing.assert_array_equal(lists(got, "cand_times")[1], want.cand_timestamps[first])
+            np.testing.assert_array_equal(lists(got, "label:next_item")[1], 1.0)
+            if split == "eval":
+                seen = src.seen_items(positions)
+                seen_lengths, seen_items = lists(got, "seen_items")
+                np.testing.assert_array_equal(seen_lengths, [len(s) for s in seen])
+                np.testing.assert_array_equal(seen_items, np.concatenate(seen))
+            else:
+                assert "seen_items" not in got.column_names
+        else:
+            np.testing.assert_array_equal(counts, want.cand_counts)
+            np.testing.assert_array_equal(cands, want.cand_values)
+            np.testing.assert_array_equal(lists(got, "cand_times")[1], want.cand_timestamps)
+            thresholds = [settings.positive_rating, *settings.more_labels]
+            assert [c for c in got.column_names if c.startswith("label:")] == [f"label:rating>={t:g}" for t in thresholds]
+            for k, t in enumerate(thresholds):
+                np.testing.assert_array_equal(lists(got, f"label:rating>={t:g}")[1], want.labels[:, k])
+
+
+@pytest.fixture(scope="module")
+def ml100k():
+    return ensure_ml100k(CACHE)
+
+
+def test_ml100k_ranking_with_more_labels_equals_the_reader(tmp_path, ml100k):
+    settings = SampleSettings(min_uih_len=3, max_uih_len=50, num_candidates=10, more_labels=(5.0, 2.0),
+                              holdout_fraction=0.15)
+    prepare_log(str(tmp_path / "ds"), "ml100k", [ml100k], settings, layout=Layout(rows_per_file=3000, rows_per_group=700),
+                say=quiet)
+    manifest = json.load(open(tmp_path / "ds" / "manifest.json"))
+    assert len(manifest["splits"]["train"]["files"]) > 1  # rows cross files
+    assert manifest["labels"] == ["rating>=4", "rating>=5", "rating>=2"]
+    assert (manifest["num_users"], manifest["num_items"]) == (943, 1682)
+    assert_same_samples(str(tmp_path / "ds"), ml100k, settings)
+
+
+@pytest.mark.parametrize("stride", [0, 10])
+def test_ml100k_retrieval_equals_the_reader(tmp_path, ml100k, stride):
+    settings = SampleSettings(task="retrieval", min_uih_len=2, max_uih_len=50, window_stride=stride)
+    prepare_log(str(tmp_path / "ds"), "ml100k", [ml100k], settings, say=quiet)
+    assert_same_samples(str(tmp_path / "ds"), ml100k, settings)
+
+
+def write_shuffled_log(path, seed=0):
+    """A CSV with string ids ("u10" sorts before "u9"), times on half seconds (rint rounds half to
+    even) with ties inside a user's timeline (file order breaks them), in shuffled line order."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for u in range(14):
+        for _ in range(int(rng.integers(1, 40))):
+            rows.append((f"u{u}", f"i{int(rng.integers(0, 30))}", int(rng.integers(1, 6)), float(rng.integers(0, 24)) / 2))
+    rows = [rows[i] for i in rng.permutation(len(rows))]
+    path.write_text("user,item,rating,timestamp\n" + "".join(f"{u},{i},{r},{t:g}\n" for u, i, r, t in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("settings", [
+    SampleSettings(min_uih_len=1, max_uih_len=5, num_candidates=3, more_labels=(5.0,), holdout_fraction=0.3),
+    SampleSettings(min_uih_len=4, max_uih_len=4, num_candidates=1, holdout_fraction=0.5),
+    SampleSettings(task="retrieval", min_uih_len=1, max_uih_len=6),
+    SampleSettings(task="retrieval", min_uih_len=2, max_uih_len=6, window_stride=2),
+], ids=["ranking", "ranking-min-is-max", "retrieval", "retrieval-stride"])
+def test_shuffled_csv_with_ties_and_string_ids_equals_the_reader(tmp_path, settings):
+    log = write_shuffled_log(tmp_path / "log.csv")
+    # The file has ties and half seconds that rint rounds to even: what the test is about.
+    times = np.array([float(line.split(",")[3]) for line in open(log).read().splitlines()[1:]])
+    assert np.any(times % 1 == 0.5) and np.any(np.rint(times) != np.floor(times + 0.5))
+    prepare_log(str(tmp_path / "ds"), "csv", [log], settings, layout=Layout(rows_per_group=7), say=quiet)
+    assert_same_samples(str(tmp_path / "ds"), log, settings)
+
+
+def test_ids_map_in_the_sorted_order_of_their_text(tmp_path):
+    log = tmp_path / "log.csv"
+    log.write_text("u9,b,5,1\nu10,a,5,2\nu9,c,5,3\nu10,b,5,4\n")
+    prepare_log(str(tmp_path / "ds"), "csv", [str(log)], SampleSettings(min_uih_len=1, num_candidates=1,
+                                                                        holdout_fraction=0.5), say=quiet)
+    train, held = read_split(str(tmp_path / "ds"), "train"), read_split(str(tmp_path / "ds"), "eval")
+    # "u10" < "u9" and a < b < c as text: u10 is user 0, u9 user 1.
+    assert train.select(["sample_id", "user_id", "uih_items", "cand_items"]).to_pylist() == [
+        {"sample_id": 0, "user_id": 1, "uih_items": [1], "cand_items": [2]}]
+    assert held.select(["sample_id", "user_id", "uih_items", "cand_items"]).to_pylist() == [
+        {"sample_id": 1, "user_id": 0, "uih_items": [0], "cand_items": [1]}]
+
+
+def test_synthetic_rows_equal_the_stream(tmp_path):
+    cfg = SyntheticDataConfig(num_items=5000, median_uih_len=12, tail_min_len=40, num_labels=2)
+    settings = SampleSettings(min_uih_len=2, max_uih_len=64, num_candidates=3)
+    prepare_synthetic(str(tmp_path / "ds"), 5000, 300, cfg, seed=7, settings=settings, say=quiet)
+    for split, n in (("train", 5000), ("eval", 300)):
+        want = SyntheticSource(cfg, seed=7, split=split, min_uih_len=2, max_uih_len=64, num_candidates=3).samples_at(np.arange(n))
+        got = read_split(str(tmp_path / "ds"), split)
+        np.testing.assert_array_equal(got.column("sample_id").to_numpy(), want.sample_ids)
+        np.testing.assert_array_equal(got.column("user_id").to_numpy(), want.user_ids)
+        np.testing.assert_array_equal(lists(got, "uih_items")[0], want.uih_lengths)
+        np.testing.assert_array_equal(lists(got, "uih_items")[1], want.uih_values)
+        np.testing.assert_array_equal(lists(got, "uih_times")[1], want.uih_timestamps)
+        np.testing.assert_array_equal(lists(got, "cand_items")[1], want.cand_values)
+        np.testing.assert_array_equal(lists(got, "cand_times")[1], want.cand_timestamps)
+        np.testing.assert_array_equal(lists(got, "label:click")[1], want.labels[:, 0])
+        np.testing.assert_array_equal(lists(got, "label:liked")[1], want.labels[:, 1])
+
+
+def test_synthetic_retrieval_stores_the_next_item_alone(tmp_path):
+    cfg = SyntheticDataConfig(num_items=3000, median_uih_len=8, tail_min_len=20)
+    settings = SampleSettings(task="retrieval", max_uih_len=32)
+    prepare_synthetic(str(tmp_path / "ds"), 4500, 100, cfg, seed=3, settings=settings, say=quiet)
+    want = SyntheticSource(cfg, seed=3, split="train", min_uih_len=1, max_uih_len=32, num_candidates=4,
+                           task="retrieval", num_negatives=5).samples_at(np.arange(4500))
+    got = read_split(str(tmp_path / "ds"), "train")
+    counts, cands = lists(got, "cand_items")
+    np.testing.assert_array_equal(counts, 1)
+    np.testing.assert_array_equal(cands, want.cand_values[::6])  # the positive, before its 5 negatives
+    np.testing.assert_array_equal(lists(got, "uih_items")[1], want.uih_values)
+    assert json.load(open(tmp_path / "ds" / "manifest.json"))["labels"] == ["next_item"]
