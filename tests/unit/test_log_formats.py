@@ -57,7 +57,7 @@ def test_recbole_columns_in_any_order_and_no_rating(tmp_path):
 
 @pytest.mark.parametrize("header", ["user,item,rating,timestamp\n", ""])
 def test_csv_with_or_without_header(tmp_path, header):
-    path = write(tmp_path / "log.csv", header + "u10, i1 ,4,1.5\nu9,i2,2,2.5\n")
+    path = write(tmp_path / "log.csv", header + " u10, i1 ,4,1.5\nu9,i2,2,2.5\n")  # ids are stripped
     assert events("csv", [path]) == [("u10", "i1", 4.0, 1.5), ("u9", "i2", 2.0, 2.5)]
 
 

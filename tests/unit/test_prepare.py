@@ -143,6 +143,17 @@ def test_shuffled_csv_with_ties_and_string_ids_equals_the_reader(tmp_path, setti
     assert_same_samples(str(tmp_path / "ds"), log, settings)
 
 
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_samples_at_the_same_time_follow_the_user_order(tmp_path, task):
+    # Every user's events at the same three times: every sample ties on time with the others'.
+    log = tmp_path / "log.csv"
+    users = np.random.default_rng(0).permutation(60)
+    log.write_text("".join(f"u{u},i{(u + k) % 7},{1 + k},{10 + k}\n" for k in range(3) for u in users))
+    settings = SampleSettings(task=task, min_uih_len=1, num_candidates=1, holdout_fraction=0.5)
+    prepare_log(str(tmp_path / "ds"), "csv", [str(log)], settings, say=quiet)
+    assert_same_samples(str(tmp_path / "ds"), str(log), settings)
+
+
 def test_ids_map_in_the_sorted_order_of_their_text(tmp_path):
     log = tmp_path / "log.csv"
     log.write_text("u9,b,5,1\nu10,a,5,2\nu9,c,5,3\nu10,b,5,4\n")
@@ -186,3 +197,18 @@ def test_synthetic_retrieval_stores_the_next_item_alone(tmp_path):
     np.testing.assert_array_equal(cands, want.cand_values[::6])  # the positive, before its 5 negatives
     np.testing.assert_array_equal(lists(got, "uih_items")[1], want.uih_values)
     assert json.load(open(tmp_path / "ds" / "manifest.json"))["labels"] == ["next_item"]
+
+
+def test_up_to_date_only_for_the_same_inputs_and_settings(tmp_path):
+    log = write_shuffled_log(tmp_path / "log.csv")
+    out = str(tmp_path / "ds")
+    settings = SampleSettings(max_uih_len=8)
+    assert not prepare_log(out, "csv", [log], settings, say=quiet).up_to_date
+    assert prepare_log(out, "csv", [log], settings, say=quiet).up_to_date
+    assert not prepare_log(out, "csv", [log], SampleSettings(max_uih_len=9), say=quiet).up_to_date
+    assert not prepare_log(out, "csv", [log], SampleSettings(max_uih_len=9), layout=Layout(rows_per_group=5),
+                           say=quiet).up_to_date
+    st = os.stat(log)
+    os.utime(log, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # the same bytes, touched
+    assert not prepare_log(out, "csv", [log], SampleSettings(max_uih_len=9), layout=Layout(rows_per_group=5),
+                           say=quiet).up_to_date
