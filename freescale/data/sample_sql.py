@@ -16,8 +16,8 @@ over the events would build a ``max_uih_len`` list at every event, to keep one i
   num_candidates``): exactly the candidates of the user's ``k``-th sample; the events before
   ``min_uih_len`` form chunk -1. The history is the last ``min(pos, max_uih_len)`` events of the
   ``ceil(max_uih_len / C)`` chunks before (all of them when there are fewer).
-- Retrieval training: chunk ``j`` holds the events ``(p_j - stride, p_j]`` with ``p_j = n - 2 -
-  j * stride``: its last event is the candidate of window ``j``, the others and the chunks
+- Retrieval training: chunk ``k`` holds the events ``(p_k - stride, p_k]`` with ``p_k = n - 2 -
+  k * stride``: its last event is the candidate of window ``k``, the others and the chunks
   before it the history. The user's last event belongs to no chunk.
 - Retrieval eval: one row per user with at least two events, from the user's whole list.
 
@@ -72,6 +72,20 @@ def _side(user_features: list[str], table: str) -> tuple[str, str]:
     return cols, f' LEFT JOIN {USER_SIDE} s ON s."user" = {table}."user"'
 
 
+def _lists(key: str, anchor: str, where: str) -> str:
+    """Per (user, ``key``): the events' ``items``, ``times`` and ``actions`` lists in timeline
+    order, and ``p``, the ``anchor`` (min or max) of their positions. The events are gathered as
+    one list of structs sorted once (a struct sorts by its first field, the position): three
+    ordered aggregates would sort three times, about three times slower."""
+    fields = "".join(f", list_transform(ev, lambda e: e.{x}) AS {name}"
+                     for x, name in (("item", "items"), ("t", "times"), ("rating", "actions")))
+    return f"""
+        SELECT "user", k, p{fields} FROM (
+            SELECT "user", {key} AS k, {anchor}(pos) AS p,
+                   list_sort(list({{'pos': pos, 'item': item, 't': t, 'rating': rating}})) AS ev
+            FROM {TIMELINE} WHERE {where} GROUP BY "user", k)"""
+
+
 def ranking_count(min_uih_len: int, num_candidates: int) -> str:
     m, c = min_uih_len, num_candidates
     return f"SELECT coalesce(sum((n - {m} + {c - 1}) // {c}), 0) FROM {USER_COUNTS} WHERE n > {m}"
@@ -87,11 +101,7 @@ def ranking_query(min_uih_len: int, max_uih_len: int, num_candidates: int, label
     side_cols, side_join = _side(user_features, "w")
     history = "".join(f", h_{x}[len(h_{x}) - least(w.p, {top}) + 1:] AS uih_{x}" for x in ("items", "times", "actions"))
     return f"""
-        WITH chunks AS (
-            SELECT "user", CASE WHEN pos < {m} THEN -1 ELSE (pos - {m}) // {c} END AS k, min(pos) AS p,
-                   list(item ORDER BY pos) AS items, list(t ORDER BY pos) AS times,
-                   list(rating ORDER BY pos) AS actions
-            FROM {TIMELINE} WHERE n > {m} GROUP BY ALL),
+        WITH chunks AS ({_lists(f"CASE WHEN pos < {m} THEN -1 ELSE (pos - {m}) // {c} END", "min", f"n > {m}")}),
         w AS (
             SELECT "user", k, p, items, times, actions,
                    flatten(list(items) OVER before) AS h_items, flatten(list(times) OVER before) AS h_times,
@@ -121,17 +131,13 @@ def retrieval_train_query(min_uih_len: int, max_uih_len: int, stride: int, label
     history = "".join(f", a_{x}[len(a_{x}) - least(w.p, {top}):len(a_{x}) - 1] AS uih_{x}"
                       for x in ("items", "times", "actions"))
     return f"""
-        WITH chunks AS (
-            SELECT "user", (n - 2 - pos) // {s} AS j, max(pos) AS p,
-                   list(item ORDER BY pos) AS items, list(t ORDER BY pos) AS times,
-                   list(rating ORDER BY pos) AS actions
-            FROM {TIMELINE} WHERE pos <= n - 2 AND n - 2 >= {m} GROUP BY ALL),
+        WITH chunks AS ({_lists(f"(n - 2 - pos) // {s}", "max", f"pos <= n - 2 AND n - 2 >= {m}")}),
         w AS (
-            SELECT "user", j, p, items, times,
+            SELECT "user", p, items, times,
                    flatten(list(items) OVER upto) AS a_items, flatten(list(times) OVER upto) AS a_times,
                    flatten(list(actions) OVER upto) AS a_actions
             FROM chunks
-            WINDOW upto AS (PARTITION BY "user" ORDER BY j DESC ROWS BETWEEN {before} PRECEDING AND CURRENT ROW))
+            WINDOW upto AS (PARTITION BY "user" ORDER BY k DESC ROWS BETWEEN {before} PRECEDING AND CURRENT ROW))
         SELECT w."user" AS user_id{history}, [w.items[-1]] AS cand_items, [w.times[-1]] AS cand_times,
                [CAST(1 AS FLOAT)] AS {ident('label:' + label)}{side_cols}
         FROM w{side_join}
@@ -151,10 +157,7 @@ def retrieval_eval_query(max_uih_len: int, label: str, user_features: list[str])
     side_cols, side_join = _side(user_features, "w")
     history = "".join(f", w.{x}[w.n - least(w.n - 1, {top}):w.n - 1] AS uih_{x}" for x in ("items", "times", "actions"))
     return f"""
-        WITH w AS (
-            SELECT "user", count(*) AS n, list(item ORDER BY pos) AS items, list(t ORDER BY pos) AS times,
-                   list(rating ORDER BY pos) AS actions
-            FROM {TIMELINE} WHERE n >= 2 GROUP BY "user")
+        WITH w AS (SELECT *, len(items) AS n FROM ({_lists("0", "max", "n >= 2")}))
         SELECT w."user" AS user_id{history}, [w.items[w.n]] AS cand_items, [w.times[w.n]] AS cand_times,
                [CAST(1 AS FLOAT)] AS {ident('label:' + label)}{side_cols}, w.items[1:w.n - 1] AS seen_items
         FROM w{side_join}
