@@ -154,6 +154,8 @@ def _prepare_parser(sub) -> None:
 
 
 def _prepare(args, extra: list[str]) -> None:
+    import duckdb
+
     from freescale.data.log_formats import LogOptions
     from freescale.data.ml100k import ensure_ml100k, ensure_ml100k_features
     from freescale.data.errors import DataError
@@ -202,8 +204,10 @@ def _prepare(args, extra: list[str]) -> None:
                                  engine=Engine(memory_limit=args.memory_limit, threads=args.threads))
     except (ConfigError, DataError, SampleFileError) as e:
         _fail(first_line(e))
-    except MemoryError as e:
-        _fail(f"out of memory ({first_line(e)}); lower --memory-limit below the free memory, or --threads")
+    except (duckdb.Error, MemoryError, OSError) as e:  # a resource ran out (memory, disk): not the input's fault
+        hint = " (raise --memory-limit, or lower --threads)" if isinstance(e, (duckdb.OutOfMemoryException, MemoryError)) else ""
+        print(f"freescale: error: prepare failed: {first_line(e)}{hint}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
     m = result.manifest
     if result.up_to_date:
         print(f"{result.path} is up to date ({m.splits['train']['rows']} train and {m.splits['eval']['rows']} eval "

@@ -150,6 +150,8 @@ class _EventTable:
         try:
             self.con.execute(f"INSERT INTO {EVENTS} SELECT trim(CAST({user} AS VARCHAR)), trim(CAST({item} AS VARCHAR)), "
                              f"{rating}, {time} FROM {source}")
+        except duckdb.OutOfMemoryException:
+            raise  # the engine's memory, not the file
         except duckdb.Error as e:
             raise DataError(f"{path}: {_duckdb_line(e)}") from None
         if rejects:

@@ -51,7 +51,8 @@ import numpy as np
 
 from freescale.config import DataConfig, RatingsDataConfig, SyntheticDataConfig, TaskConfig
 from freescale.data.features import NEXT_ITEM_LABEL, label_names
-from freescale.data.log_formats import EVENTS, LogOptions, check_options, expand_inputs, load_events
+from freescale.data.log_formats import (EVENTS, KUAIRAND_DEFAULT_SIGNALS, LogOptions, check_options, expand_inputs,
+                                        load_events)
 from freescale.data.errors import DataError
 from freescale.data.sample_files import (MANIFEST, ROWS_PER_FILE, ROWS_PER_GROUP, DatasetWriter, Manifest,
                                          SampleFileError, sample_schema, samples_table)
@@ -190,16 +191,7 @@ def prepare_log(out: str, fmt: str, inputs: list[str], settings: SampleSettings 
     user_side = read_users(users) if users else None
     item_side = read_items(items) if items else None
 
-    if fmt == "kuairand":
-        signals = list(options.signals or _kuairand_default())
-        labels = [(s, f"(CAST(r AS BIGINT) >> {k}) & 1 = 1") for k, s in enumerate(signals)]
-    else:
-        thresholds = [settings.positive_rating, *settings.more_labels]
-        names = label_names(DataConfig(source="ratings", ratings=RatingsDataConfig(
-            positive_rating=settings.positive_rating, more_labels=list(settings.more_labels))))
-        labels = [(name, f"r >= {float(t)!r}") for name, t in zip(names, thresholds)]
-    if settings.task == "retrieval":
-        labels = [(NEXT_ITEM_LABEL, "true")]
+    labels = _labels(fmt, settings, options)
 
     with DatasetWriter(out) as writer:
         work = os.path.join(writer.tmp, "_work")
@@ -234,10 +226,17 @@ def prepare_log(out: str, fmt: str, inputs: list[str], settings: SampleSettings 
     return Result(path, manifest, up_to_date=False, seconds=time.monotonic() - started, events=events)
 
 
-def _kuairand_default() -> tuple:
-    from freescale.data.log_formats import KUAIRAND_DEFAULT_SIGNALS
-
-    return KUAIRAND_DEFAULT_SIGNALS
+def _labels(fmt: str, settings: SampleSettings, options: LogOptions) -> list[tuple[str, str]]:
+    """(name, SQL condition on a candidate's action ``r``) of each label, in column order."""
+    if settings.task == "retrieval":
+        return [(NEXT_ITEM_LABEL, "true")]
+    if fmt == "kuairand":  # the action is a bit mask of the signals
+        return [(s, f"(CAST(r AS BIGINT) >> {k}) & 1 = 1")
+                for k, s in enumerate(options.signals or KUAIRAND_DEFAULT_SIGNALS)]
+    thresholds = [settings.positive_rating, *settings.more_labels]
+    names = label_names(DataConfig(source="ratings", ratings=RatingsDataConfig(
+        positive_rating=settings.positive_rating, more_labels=list(settings.more_labels))))
+    return [(name, f"r >= {float(t)!r}") for name, t in zip(names, thresholds)]
 
 
 def _connect(work: str, engine: Engine):

@@ -118,3 +118,13 @@ def test_out_that_is_not_a_dataset_is_not_replaced(tmp_path):
                      "--holdout-fraction", "0.5")
     assert proc.returncode == 2 and "is not a prepared dataset (no manifest.json); not replacing it" in proc.stderr
     assert os.listdir(out) == ["notes.txt"]
+
+
+def test_engine_out_of_memory_exits_1_in_one_line_and_leaves_nothing(tmp_path):
+    proc = freescale("prepare", "--ml100k", "--cache", CACHE, "--out", str(tmp_path / "out"), "--memory-limit", "1MB",
+                     "--threads", "1", timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("[prepare]")]
+    assert len(errors) == 1 and errors[0].startswith("freescale: error: prepare failed: Out of Memory Error")
+    assert "raise --memory-limit" in errors[0]
+    assert os.listdir(tmp_path) == []
