@@ -3,7 +3,8 @@
 Each measurement runs ``python -m freescale prepare`` as its own process on a log written by
 ``event_log.write_event_log`` (once, then reused) and takes the process's wall time and peak
 resident memory from ``os.wait4`` (the kernel's ``ru_maxrss`` of that child alone, DuckDB's
-threads included). ``scripts/bench_prepare.py`` runs the grid and writes the table.
+threads included), and its CPU time (user + system: less sensitive than the wall time to other
+work on the machine). ``scripts/bench_prepare.py`` runs the grid and writes the table.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def prepare_once(log: str, out: str, *, events: int, memory_limit: str, threads:
     result = _measured_child(cmd)
     row = {"events": events, "memory_limit": memory_limit, "threads": threads, "max_uih_len": max_uih_len,
            "num_candidates": num_candidates, "seconds": round(result["seconds"], 1),
+           "cpu_seconds": round(result["cpu_seconds"], 1),
            "events_per_s": round(events / result["seconds"]), "peak_rss_gib": round(result["peak_rss_bytes"] / 2**30, 3),
            "returncode": result["returncode"], "command": " ".join(cmd[1:])}
     if result["returncode"] == 0:
@@ -74,14 +76,15 @@ def _measured_child(cmd: list[str]) -> dict:
         tail = f.read().strip().splitlines()[-3:]
     os.remove(err_path)
     return {"returncode": os.waitstatus_to_exitcode(status), "seconds": time.monotonic() - started,
-            "peak_rss_bytes": usage.ru_maxrss * 1024, "stderr_tail": tail}
+            "cpu_seconds": usage.ru_utime + usage.ru_stime, "peak_rss_bytes": usage.ru_maxrss * 1024, "stderr_tail": tail}
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = [f"{'events':>12} {'memory limit':>12} {'threads':>7} {'seconds':>8} {'events/s':>10} {'peak RSS GiB':>12} "
-             f"{'samples':>10} {'output GiB':>10}"]
+    lines = [f"{'events':>12} {'memory limit':>12} {'threads':>7} {'seconds':>8} {'CPU s':>8} {'events/s':>10} "
+             f"{'peak RSS GiB':>12} {'samples':>10} {'output GiB':>10}"]
     for r in rows:
         lines.append(f"{r['events']:>12,} {r['memory_limit']:>12} {r['threads']:>7} {r['seconds']:>8.1f} "
+                     f"{r.get('cpu_seconds', 0):>8.1f} "
                      f"{r['events_per_s']:>10,} {r['peak_rss_gib']:>12.2f} {r.get('samples', 0):>10,} "
                      f"{r.get('output_gib', 0):>10.2f}" + ("" if r["returncode"] == 0 else f"  FAILED {r.get('error')}"))
     return "\n".join(lines)
