@@ -1,8 +1,7 @@
 """Interaction logs of the formats ``freescale prepare`` reads, loaded into one DuckDB table.
 
-Every format ends up as the rows of ``EVENTS`` (``user_key``, ``item_key`` as text, ``rating``
-and ``ts`` as DOUBLE: the rating or action value of the event and its time in seconds), in file
-order: the files in the order given (a glob's matches sorted by name), each file's rows in their
+Every format ends up as the rows of ``EVENTS`` (``user_key``, ``item_key``, ``rating`` and ``ts``
+as DOUBLE: the rating or action value of the event and its time in seconds), in file order: the files in the order given (a glob's matches sorted by name), each file's rows in their
 order, so the table's ``rowid`` breaks ties of time the way ``readers.read_ratings``'s line
 order does. DuckDB parses the files (never Python), with every parsing option set, so nothing
 is guessed from a sample of the rows:
@@ -108,7 +107,6 @@ def check_options(fmt: str, options: LogOptions) -> None:
 
 def load_events(con, fmt: str, files: list[str], options: LogOptions, log=lambda message: None) -> int:
     """Load ``files`` of format ``fmt`` into ``EVENTS``, in file order; the number of events."""
-    con.execute(f"CREATE TABLE {EVENTS} (user_key VARCHAR, item_key VARCHAR, rating DOUBLE, ts DOUBLE)")
     table = _EventTable(con)
     for k, path in enumerate(files):
         log(f"reading {path} ({k + 1}/{len(files)}, {os.path.getsize(path) / 2**20:.1f} MiB)")
@@ -133,23 +131,40 @@ def _text(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
 
+_KEYS = ("user_key", "item_key")
+
+
 class _EventTable:
     """Appends one file's events at a time and checks them (its rows are ``rowid`` first .. rows-1)."""
 
     def __init__(self, con) -> None:
         self.con = con
         self.rows = 0
+        self.key_types: dict[str, str] = {}  # user_key, item_key -> BIGINT or VARCHAR, once created
 
-    def add(self, path: str, source: str, *, user: str, item: str, rating: str, time: str, rejects: bool) -> None:
+    def add(self, path: str, source: str, *, user: str, item: str, rating: str, time: str, rejects: bool,
+            integer_ids: tuple[bool, bool] = (False, False)) -> None:
         """Append ``SELECT user, item, rating, time FROM source`` (SQL expressions over the source's
-        columns); ``rejects``: the source is a CSV scan that stores its bad lines."""
+        columns); ``rejects``: the source is a CSV scan that stores its bad lines; ``integer_ids``:
+        whether the user and item columns are integer columns (else text)."""
         import duckdb
 
+        wanted = {key: "BIGINT" if integer else "VARCHAR" for key, integer in zip(_KEYS, integer_ids)}
+        if not self.key_types:
+            self.key_types = wanted
+            self.con.execute(f"CREATE TABLE {EVENTS} (user_key {wanted['user_key']}, item_key {wanted['item_key']}, "
+                             f"rating DOUBLE, ts DOUBLE)")
+        for key in _KEYS:
+            if self.key_types[key] == "BIGINT" and wanted[key] == "VARCHAR":
+                self.con.execute(f"ALTER TABLE {EVENTS} ALTER {key} TYPE VARCHAR")
+                self.key_types[key] = "VARCHAR"
+        ids = [f"CAST({expr} AS BIGINT)" if self.key_types[key] == "BIGINT" else
+               f"CAST({expr} AS VARCHAR)" if integer else f"trim(CAST({expr} AS VARCHAR))"
+               for key, expr, integer in zip(_KEYS, (user, item), integer_ids)]
         if rejects:
             self.con.execute("DROP TABLE IF EXISTS reject_errors; DROP TABLE IF EXISTS reject_scans")
         try:
-            self.con.execute(f"INSERT INTO {EVENTS} SELECT trim(CAST({user} AS VARCHAR)), trim(CAST({item} AS VARCHAR)), "
-                             f"{rating}, {time} FROM {source}")
+            self.con.execute(f"INSERT INTO {EVENTS} SELECT {ids[0]}, {ids[1]}, {rating}, {time} FROM {source}")
         except duckdb.OutOfMemoryException:
             raise  # the engine's memory, not the file
         except duckdb.Error as e:
@@ -167,8 +182,8 @@ class _EventTable:
         self._check(path, first)
 
     def _check(self, path: str, first: int) -> None:
-        what = {"no user id": "user_key IS NULL OR user_key = ''", "no item id": "item_key IS NULL OR item_key = ''",
-                "no rating": "rating IS NULL", "no time": "ts IS NULL",
+        empty = {key: f"{key} IS NULL" + (f" OR {key} = ''" if self.key_types[key] == "VARCHAR" else "") for key in _KEYS}
+        what = {"no user id": empty["user_key"], "no item id": empty["item_key"], "no rating": "rating IS NULL", "no time": "ts IS NULL",
                 "a time that is not a finite number": "NOT isfinite(ts)",
                 "a rating that is not a finite number": "NOT isfinite(rating)"}
         cases = " ".join(f"WHEN {cond} THEN {_text(name)}" for name, cond in what.items())
@@ -378,7 +393,11 @@ def _load_events(table: _EventTable, path: str, options: LogOptions) -> None:
     else:
         rating = "1.0"
     table.add(path, scan, user=_quote(roles["user"]), item=_quote(roles["item"]), rating=rating, time=time,
-              rejects=False)
+              rejects=False, integer_ids=(schema[roles["user"]] in _INTEGER_TYPES, schema[roles["item"]] in _INTEGER_TYPES))
+
+
+_INTEGER_TYPES = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "UTINYINT", "USMALLINT", "UINTEGER")
+"""Id column types kept as integers (BIGINT holds them all)."""
 
 
 def _numeric_type(duckdb_type: str) -> bool:

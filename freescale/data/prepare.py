@@ -271,7 +271,7 @@ def _register_users(con, side) -> list[str]:
     names = [f.name for f in side.features]
     cols = ", ".join(f"a.{sql.ident('user:' + n)}" for n in names)
     con.execute(f'CREATE TABLE {sql.USER_SIDE} AS SELECT u.idx AS "user", {cols} '
-                f"FROM user_side_arrow a JOIN {sql.USER_IDS} u ON u.key = a.key")
+                f"FROM user_side_arrow a JOIN {sql.USER_IDS} u ON CAST(u.key AS VARCHAR) = a.key")
     con.unregister("user_side_arrow")
     return names
 
@@ -284,7 +284,7 @@ def _write_items(con, writer: DatasetWriter, side) -> None:
     columns.update({name: pa.array(values, type=pa.list_(pa.int64())) for name, values in side.values.items()})
     con.register("item_side_arrow", pa.table(columns))
     cols = ", ".join(f"coalesce(a.{sql.ident(f.name)}, CAST([] AS BIGINT[])) AS {sql.ident(f.name)}" for f in side.features)
-    table = con.sql(f"SELECT i.idx, {cols} FROM {sql.ITEM_IDS} i LEFT JOIN item_side_arrow a ON a.key = i.key "
+    table = con.sql(f"SELECT i.idx, {cols} FROM {sql.ITEM_IDS} i LEFT JOIN item_side_arrow a ON a.key = CAST(i.key AS VARCHAR) "
                         f"ORDER BY i.idx").to_arrow_table()
     con.unregister("item_side_arrow")
     writer.write_items(table.column("idx").to_numpy(),

@@ -2,7 +2,7 @@
 
 ``TIMELINE`` is built once from the loaded events (``log_formats.EVENTS``): user and item ids
 become contiguous indices in the sorted order of their text (``np.unique`` of the strings: DuckDB
-compares text byte-wise, which for UTF-8 is code-point order), each user's events are numbered
+compares text byte-wise, which for UTF-8 is code-point order; integer ids are sorted as text too), each user's events are numbered
 ``pos`` 0, 1, ... by (time, file order), and times are rounded half to even to whole seconds
 (``round_even``, as ``np.rint``). The sample queries then read only ``TIMELINE``.
 
@@ -43,10 +43,10 @@ def timeline_statements(events: str) -> list[str]:
     """Build ``USER_IDS``, ``ITEM_IDS``, ``TIMELINE`` and ``USER_COUNTS`` from ``events``
     (``user_key, item_key, rating, ts``; ``rowid`` in file order), then drop ``events``."""
     return [
-        f"CREATE TABLE {USER_IDS} AS SELECT key, CAST(row_number() OVER (ORDER BY key) - 1 AS BIGINT) AS idx "
-        f"FROM (SELECT DISTINCT user_key AS key FROM {events})",
-        f"CREATE TABLE {ITEM_IDS} AS SELECT key, CAST(row_number() OVER (ORDER BY key) - 1 AS BIGINT) AS idx "
-        f"FROM (SELECT DISTINCT item_key AS key FROM {events})",
+        f"CREATE TABLE {USER_IDS} AS SELECT key, CAST(row_number() OVER (ORDER BY CAST(key AS VARCHAR)) - 1 AS BIGINT) "
+        f"AS idx FROM (SELECT DISTINCT user_key AS key FROM {events})",
+        f"CREATE TABLE {ITEM_IDS} AS SELECT key, CAST(row_number() OVER (ORDER BY CAST(key AS VARCHAR)) - 1 AS BIGINT) "
+        f"AS idx FROM (SELECT DISTINCT item_key AS key FROM {events})",
         f"""CREATE TABLE {TIMELINE} AS
             SELECT u.idx AS "user", i.idx AS item, e.rating, CAST(round_even(e.ts, 0) AS BIGINT) AS t,
                    row_number() OVER (PARTITION BY u.idx ORDER BY e.ts, e.rowid) - 1 AS pos,

@@ -22,7 +22,8 @@ def events(fmt, paths, options=LogOptions()):
     con = duckdb.connect()
     check_options(fmt, options)
     load_events(con, fmt, expand_inputs([str(p) for p in paths]), options)
-    return con.execute(f"SELECT user_key, item_key, rating, ts FROM {EVENTS} ORDER BY rowid").fetchall()
+    return con.execute(f"SELECT CAST(user_key AS VARCHAR), CAST(item_key AS VARCHAR), rating, ts FROM {EVENTS} "
+                       f"ORDER BY rowid").fetchall()
 
 
 def write(path, text):
@@ -119,6 +120,18 @@ def test_events_parquet_glob_with_timestamps_and_integer_ids(tmp_path):
     t0 = 1577836800.0
     assert got == [(str(u), str(i), r, t0 + s) for k in range(3)
                    for u, i, r, s in ((k, 5, 1.5, k), (k + 10, 6, 2.0, k + 0.5))]
+
+
+def test_integer_ids_stay_integers_until_a_file_has_text_ids(tmp_path):
+    pq.write_table(pa.table({"u": pa.array([10, 9]), "i": pa.array([1, 2], pa.int16()), "t": [1.0, 2.0]}),
+                   tmp_path / "a.parquet")
+    roles = LogOptions(columns={"user": "u", "item": "i", "time": "t"})
+    con = duckdb.connect()
+    load_events(con, "events", [str(tmp_path / "a.parquet")], roles)
+    assert [r[1] for r in con.execute(f"DESCRIBE {EVENTS}").fetchall()][:2] == ["BIGINT", "BIGINT"]
+    pq.write_table(pa.table({"u": ["x"], "i": pa.array([3], pa.int16()), "t": [3.0]}), tmp_path / "b.parquet")
+    assert events("events", [tmp_path / "a.parquet", tmp_path / "b.parquet"], roles) == [
+        ("10", "1", 1.0, 1.0), ("9", "2", 1.0, 2.0), ("x", "3", 1.0, 3.0)]
 
 
 # --- bad input: one line naming the file (and line, column) ---------------------------------

@@ -11,6 +11,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from freescale.config import SyntheticDataConfig
+from freescale.data.log_formats import LogOptions
 from freescale.data.ml100k import ensure_ml100k
 from freescale.data.prepare import Layout, SampleSettings, prepare_log, prepare_synthetic
 from freescale.data.readers import RatingsSource, read_ratings
@@ -140,6 +141,20 @@ def test_shuffled_csv_with_ties_and_string_ids_equals_the_reader(tmp_path, setti
     times = np.array([float(line.split(",")[3]) for line in open(log).read().splitlines()[1:]])
     assert np.any(times % 1 == 0.5) and np.any(np.rint(times) != np.floor(times + 0.5))
     prepare_log(str(tmp_path / "ds"), "csv", [log], settings, layout=Layout(rows_per_group=7), say=quiet)
+    assert_same_samples(str(tmp_path / "ds"), log, settings)
+
+
+def test_integer_ids_of_a_parquet_log_map_in_the_order_of_their_text(tmp_path):
+    log = write_shuffled_log(tmp_path / "log.csv")
+    rows = [line.split(",") for line in open(log).read().splitlines()[1:]]
+    # The same log as Parquet with integer ids: 10 sorts before 9, as "u10" before "u9".
+    pq.write_table(pa.table({"user": pa.array([int(r[0][1:]) for r in rows], pa.int32()),
+                             "item": pa.array([int(r[1][1:]) for r in rows]),
+                             "rating": [float(r[2]) for r in rows], "time": [float(r[3]) for r in rows]}),
+                   tmp_path / "log.parquet")
+    settings = SampleSettings(min_uih_len=1, max_uih_len=5, num_candidates=2)
+    prepare_log(str(tmp_path / "ds"), "events", [str(tmp_path / "log.parquet")], settings, say=quiet,
+                options=LogOptions(columns={"user": "user", "item": "item", "time": "time", "rating": "rating"}))
     assert_same_samples(str(tmp_path / "ds"), log, settings)
 
 
