@@ -227,3 +227,59 @@ def test_up_to_date_only_for_the_same_inputs_and_settings(tmp_path):
     os.utime(log, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))  # the same bytes, touched
     assert not prepare_log(out, "csv", [log], SampleSettings(max_uih_len=9), layout=Layout(rows_per_group=5),
                            say=quiet).up_to_date
+
+
+@pytest.mark.parametrize("task", ["ranking", "retrieval"])
+def test_side_features_follow_each_user_and_item(tmp_path, task):
+    log = tmp_path / "log.csv"
+    # Users "10", "7", "9" are 0, 1, 2 (text order); "7" has no line in the user file, item "c" none in the item file.
+    log.write_text("".join(f"{u},{i},4,{t}\n" for t, (u, i) in enumerate(
+        [("9", "a"), ("10", "b"), ("7", "c"), ("9", "b"), ("10", "a"), ("7", "a"), ("9", "c"), ("10", "c"), ("7", "b")])))
+    users = tmp_path / "u.user"
+    users.write_text("9|30|M|writer|1\n10|20|F|artist|2\n11|60|F|doctor|3\n")
+    items = tmp_path / "u.item"
+    flags = lambda *on: "|".join("1" if g in on else "0" for g in range(19))  # noqa: E731
+    items.write_text(f"a|A (1990)|01-Jan-1990||u|{flags(1, 2)}\nb|B (2001)|01-Jan-2001||u|{flags(8)}\n")
+    settings = SampleSettings(task=task, min_uih_len=1, num_candidates=1, holdout_fraction=0.5)
+    prepare_log(str(tmp_path / "ds"), "csv", [str(log)], settings, users=str(users), items=str(items), say=quiet)
+    manifest = json.load(open(tmp_path / "ds" / "manifest.json"))
+    assert [(f["name"], f["num_values"]) for f in manifest["user_features"]] == [("age", 7), ("gender", 2), ("occupation", 3)]
+    # gender: F < M; occupation: artist < doctor < writer (over the whole file); age 20 -> 1, 30 -> 2.
+    want = {0: {"user:age": [1], "user:gender": [0], "user:occupation": [0]},
+            1: {"user:age": [], "user:gender": [], "user:occupation": []},
+            2: {"user:age": [2], "user:gender": [1], "user:occupation": [2]}}
+    seen = set()
+    for split in ("train", "eval"):
+        for row in read_split(str(tmp_path / "ds"), split).to_pylist():
+            assert {k: row[k] for k in want[0]} == want[row["user_id"]]
+            seen.add(row["user_id"])
+    assert seen == {0, 1, 2}
+    items_table = pq.read_table(tmp_path / "ds" / "items.parquet").to_pylist()
+    # genre: Action (1) < Adventure (2) < Drama (8) as names; year 1990 -> 8, 2001 -> 10.
+    assert items_table == [{"item_id": 0, "item:genre": [0, 1], "item:year": [8]},
+                           {"item_id": 1, "item:genre": [2], "item:year": [10]},
+                           {"item_id": 2, "item:genre": [], "item:year": []}]
+
+
+def test_kuairand_labels_are_the_signals_of_each_candidate(tmp_path):
+    header = ("user_id,video_id,date,hourmin,time_ms,is_click,is_like,is_follow,is_comment,is_forward,is_hate,long_view,"
+              "play_time_ms,duration_ms,profile_stay_time,comment_stay_time,is_profile_enter,is_rand,tab")
+    rng = np.random.default_rng(0)
+    rows = [(u, int(rng.integers(0, 9)), 1_650_000_000_000 + 1000 * k, *rng.integers(0, 2, 3)) for k in range(60)
+            for u in range(3)]
+    (tmp_path / "log_standard_1k.csv").write_text(header + "\n" + "".join(
+        f"{u},{v},0,0,{t},{click},{like},0,0,0,0,{long},0,0,0,0,0,0,1\n" for u, v, t, click, like, long in rows))
+    settings = SampleSettings(min_uih_len=1, num_candidates=1, holdout_fraction=0.0)
+    with pytest.raises(Exception, match="no ranking eval samples"):
+        prepare_log(str(tmp_path / "ds"), "kuairand", [str(tmp_path / "log_standard_1k.csv")], settings, say=quiet)
+    settings = SampleSettings(min_uih_len=1, num_candidates=1, holdout_fraction=0.2)
+    prepare_log(str(tmp_path / "ds"), "kuairand", [str(tmp_path / "log_standard_1k.csv")], settings,
+                options=LogOptions(signals=("long_view", "is_click")), say=quiet)
+    assert json.load(open(tmp_path / "ds" / "manifest.json"))["labels"] == ["long_view", "is_click"]
+    signals = {(u, t // 1000): (long, click) for u, v, t, click, like, long in rows}
+    for split in ("train", "eval"):
+        for row in read_split(str(tmp_path / "ds"), split).to_pylist():
+            long, click = signals[(row["user_id"], row["cand_times"][0])]
+            assert (row["label:long_view"], row["label:is_click"]) == ([float(long)], [float(click)])
+            assert row["uih_actions"] == [float(signals[(row["user_id"], t)][0] + 2 * signals[(row["user_id"], t)][1])
+                                          for t in row["uih_times"]]
