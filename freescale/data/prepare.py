@@ -208,9 +208,9 @@ def prepare_log(out: str, fmt: str, inputs: list[str], settings: SampleSettings 
             if item_side:
                 _write_items(con, writer, item_side)
             if settings.task == "ranking":
-                counts = _write_ranking(con, writer, settings, labels, user_features, layout, say)
+                counts = _write_ranking(con, writer, settings, labels, user_features, layout, events, say)
             else:
-                counts = _write_retrieval(con, writer, settings, user_features, layout, say)
+                counts = _write_retrieval(con, writer, settings, user_features, layout, events, say)
         finally:
             con.close()
             shutil.rmtree(work, ignore_errors=True)
@@ -291,7 +291,8 @@ def _write_items(con, writer: DatasetWriter, side) -> None:
                        {f.name: table.column(f.name).to_pylist() for f in side.features})
 
 
-def _write_ranking(con, writer, settings: SampleSettings, labels, user_features, layout: Layout, say) -> dict:
+def _write_ranking(con, writer, settings: SampleSettings, labels, user_features, layout: Layout, events: int,
+                   say) -> dict:
     total = con.execute(sql.ranking_count(settings.min_uih_len, settings.num_candidates)).fetchall()[0][0]
     n_eval = int(round(total * settings.holdout_fraction))
     n_train = total - n_eval
@@ -300,29 +301,71 @@ def _write_ranking(con, writer, settings: SampleSettings, labels, user_features,
     schema = sample_schema([name for name, _ in labels], user_features, seen_items=False)
     sizes = dataclasses.asdict(layout)
     train, held = writer.split("train", schema, **sizes), writer.split("eval", schema, **sizes)
-    say(f"cutting {total} ranking samples ({n_train} train, {n_eval} eval)")
-    query = sql.ranking_query(settings.min_uih_len, settings.max_uih_len, settings.num_candidates, labels,
-                              user_features)
-    _stream(con, query, [(train, n_train), (held, n_eval)], say)
+    buckets = _buckets(con, events, settings.max_uih_len, settings.num_candidates)
+    say(f"cutting {total} ranking samples ({n_train} train, {n_eval} eval) in {buckets} bucket(s) of users")
+    _cut(con, lambda users: sql.ranking_rows(settings.min_uih_len, settings.max_uih_len, settings.num_candidates,
+                                             labels, users), buckets, say)
+    _stream(con, sql.ordered(_columns(schema, user_features), user_features), [(train, n_train), (held, n_eval)], say)
     return {"train": n_train, "eval": n_eval}
 
 
-def _write_retrieval(con, writer, settings: SampleSettings, user_features, layout: Layout, say) -> dict:
+def _write_retrieval(con, writer, settings: SampleSettings, user_features, layout: Layout, events: int, say) -> dict:
     stride = settings.window_stride or settings.max_uih_len
     n_train = con.execute(sql.retrieval_train_count(settings.min_uih_len, stride)).fetchall()[0][0]
     n_eval = con.execute(sql.retrieval_eval_count()).fetchall()[0][0]
     _nonempty(n_train, "retrieval", "train", settings)
     _nonempty(n_eval, "retrieval", "eval", settings)
     sizes = dataclasses.asdict(layout)
-    train = writer.split("train", sample_schema([NEXT_ITEM_LABEL], user_features, seen_items=False), **sizes)
-    held = writer.split("eval", sample_schema([NEXT_ITEM_LABEL], user_features, seen_items=True), **sizes)
-    say(f"cutting {n_train} retrieval training windows (stride {stride})")
-    _stream(con, sql.retrieval_train_query(settings.min_uih_len, settings.max_uih_len, stride, NEXT_ITEM_LABEL,
-                                           user_features), [(train, n_train)], say)
+    train_schema = sample_schema([NEXT_ITEM_LABEL], user_features, seen_items=False)
+    eval_schema = sample_schema([NEXT_ITEM_LABEL], user_features, seen_items=True)
+    train, held = writer.split("train", train_schema, **sizes), writer.split("eval", eval_schema, **sizes)
+    buckets = _buckets(con, events, settings.max_uih_len, stride)
+    say(f"cutting {n_train} retrieval training windows (stride {stride}) in {buckets} bucket(s) of users")
+    _cut(con, lambda users: sql.retrieval_train_rows(settings.min_uih_len, settings.max_uih_len, stride,
+                                                     NEXT_ITEM_LABEL, users), buckets, say)
+    _stream(con, sql.ordered(_columns(train_schema, user_features), user_features), [(train, n_train)], say)
     say(f"cutting {n_eval} held-out samples (each user's last event)")
-    _stream(con, sql.retrieval_eval_query(settings.max_uih_len, NEXT_ITEM_LABEL, user_features), [(held, n_eval)],
-            say, first_id=n_train)
+    _cut(con, lambda users: sql.retrieval_eval_rows(settings.max_uih_len, NEXT_ITEM_LABEL, users), buckets, say)
+    _stream(con, sql.ordered(_columns(eval_schema, user_features), user_features), [(held, n_eval)], say,
+            first_id=n_train)
     return {"train": n_train, "eval": n_eval}
+
+
+def _columns(schema, user_features: list[str]) -> list[str]:
+    """The columns ``SAMPLES`` gives a split of ``schema`` (all but the id and the side features)."""
+    side = {f"user:{f}" for f in user_features}
+    return [name for name in schema.names if name != "sample_id" and name not in side]
+
+
+def _buckets(con, events: int, max_uih_len: int, events_per_sample: int) -> int:
+    """User buckets that bound a cut's grouped lists to half DuckDB's memory limit (those do not
+    spill). A bucket's event costs its list entries and structs, about 72 bytes, and its share of
+    the histories' copies, 24 bytes per event of a history over ``events_per_sample`` events per
+    sample, twice over for the operators' working copies."""
+    limit = memory_bytes(con.execute("SELECT current_setting('memory_limit')").fetchall()[0][0])
+    per_event = 2 * (72 + 24 * -(-max_uih_len // events_per_sample))
+    return max(1, -(-events * per_event // (limit // 2)))
+
+
+def memory_bytes(text: str) -> int:
+    """Bytes of a DuckDB size (``953.6 MiB``, ``2GB``: decimal units, binary ones with an i)."""
+    import re
+
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGTP]?)(i?)B?\s*", text, flags=re.IGNORECASE)
+    if not m:
+        raise DataError(f"--memory-limit: cannot read {text!r} as a size")
+    power = "KMGTP".find(m.group(2).upper()) + 1 if m.group(2) else 0
+    return int(float(m.group(1)) * (1024 if m.group(3) else 1000) ** power)
+
+
+def _cut(con, rows, buckets: int, say) -> None:
+    """``SAMPLES`` := the rows of ``rows(users)`` for every bucket of users."""
+    con.execute(f"DROP TABLE IF EXISTS {sql.SAMPLES}")
+    for b in range(buckets):
+        query = rows(sql.bucket(b, buckets))
+        con.execute(f"CREATE TABLE {sql.SAMPLES} AS {query}" if b == 0 else f"INSERT INTO {sql.SAMPLES} {query}")
+        if buckets > 1 and (b + 1) % max(1, buckets // 10) == 0:
+            say(f"bucket {b + 1}/{buckets} cut")
 
 
 def _nonempty(count: int, task: str, split: str, settings: SampleSettings) -> None:

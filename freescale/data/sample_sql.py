@@ -21,8 +21,12 @@ over the events would build a ``max_uih_len`` list at every event, to keep one i
   before it the history. The user's last event belongs to no chunk.
 - Retrieval eval: one row per user with at least two events, from the user's whole list.
 
-Every query orders its rows by (time of the first candidate, user, position): the samples'
-global order, in which their ids are counted.
+Each query cuts the samples of one *bucket* of users (``"user" % buckets = b``) into
+``SAMPLES``, with their sort keys (``t0``: the first candidate's time, ``user_id``, ``p``: its
+position); ``ordered`` then reads every bucket's samples in the global order, (time of the first
+candidate, user, position), in which their ids are counted. The buckets bound the memory of the
+grouped ``list()`` aggregates, which DuckDB cannot spill to disk (its sorts, joins and windows
+spill): a bucket holds about ``1 / buckets`` of the events.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ ITEM_IDS = "item_ids"
 USER_COUNTS = "user_counts"
 USER_SIDE = "user_side"
 """Per user index, the user side features as ``user:<name>`` list columns (optional)."""
+SAMPLES = "samples"
+"""The cut samples of one split with their sort keys, bucket by bucket (``ordered`` reads them)."""
 
 
 def ident(name: str) -> str:
@@ -63,15 +69,6 @@ def _labels(labels: list[tuple[str, str]], actions: str) -> str:
                    for name, cond in labels)
 
 
-def _side(user_features: list[str], table: str) -> tuple[str, str]:
-    """The ``user:<name>`` columns (empty lists for a user the side file lacks) and their join."""
-    if not user_features:
-        return "", ""
-    cols = "".join(f", coalesce(s.{ident('user:' + f)}, CAST([] AS BIGINT[])) AS {ident('user:' + f)}"
-                   for f in user_features)
-    return cols, f' LEFT JOIN {USER_SIDE} s ON s."user" = {table}."user"'
-
-
 def _lists(key: str, anchor: str, where: str) -> str:
     """Per (user, ``key``): the events' ``items``, ``times`` and ``actions`` lists in timeline
     order, and ``p``, the ``anchor`` (min or max) of their positions. The events are gathered as
@@ -86,34 +83,36 @@ def _lists(key: str, anchor: str, where: str) -> str:
             FROM {TIMELINE} WHERE {where} GROUP BY "user", k)"""
 
 
+def bucket(b: int, buckets: int) -> str:
+    """SQL: the users of bucket ``b`` of ``buckets``."""
+    return "true" if buckets == 1 else f'"user" % {buckets} = {b}'
+
+
 def ranking_count(min_uih_len: int, num_candidates: int) -> str:
     m, c = min_uih_len, num_candidates
     return f"SELECT coalesce(sum((n - {m} + {c - 1}) // {c}), 0) FROM {USER_COUNTS} WHERE n > {m}"
 
 
-def ranking_query(min_uih_len: int, max_uih_len: int, num_candidates: int, labels: list[tuple[str, str]],
-                  user_features: list[str]) -> str:
-    """Every ranking sample in the global order (train then eval): ``user_id``, the history
+def ranking_rows(min_uih_len: int, max_uih_len: int, num_candidates: int, labels: list[tuple[str, str]],
+                 users: str) -> str:
+    """The ranking samples of the ``users`` (an SQL condition): ``user_id``, the history
     (``uih_items, uih_times, uih_actions``), the candidates (``cand_items, cand_times``), the labels
-    (``labels``: (name, condition on the action ``r``)) and the user side features."""
+    (``labels``: (name, condition on the action ``r``)), and the sort keys ``t0`` and ``p``."""
     m, top, c = min_uih_len, max_uih_len, num_candidates
     before = -(-top // c)  # chunks that hold max_uih_len events
-    side_cols, side_join = _side(user_features, "w")
-    history = "".join(f", h_{x}[len(h_{x}) - least(w.p, {top}) + 1:] AS uih_{x}" for x in ("items", "times", "actions"))
+    history = "".join(f", h_{x}[len(h_{x}) - least(p, {top}) + 1:] AS uih_{x}" for x in ("items", "times", "actions"))
     return f"""
-        WITH chunks AS ({_lists(f"CASE WHEN pos < {m} THEN -1 ELSE (pos - {m}) // {c} END", "min", f"n > {m}")}),
+        WITH chunks AS ({_lists(f"CASE WHEN pos < {m} THEN -1 ELSE (pos - {m}) // {c} END", "min",
+                                f"n > {m} AND {users}")}),
         w AS (
             SELECT "user", k, p, items, times, actions,
                    flatten(list(items) OVER before) AS h_items, flatten(list(times) OVER before) AS h_times,
                    flatten(list(actions) OVER before) AS h_actions
             FROM chunks
             WINDOW before AS (PARTITION BY "user" ORDER BY k ROWS BETWEEN {before} PRECEDING AND 1 PRECEDING))
-        SELECT w."user" AS user_id{history}, w.items AS cand_items, w.times AS cand_times
-               {_labels(labels, "w.actions")}{side_cols}
-        FROM w{side_join}
-        WHERE w.k >= 0
-        ORDER BY w.times[1], w."user", w.p
-        """
+        SELECT "user" AS user_id{history}, items AS cand_items, times AS cand_times
+               {_labels(labels, "actions")}, times[1] AS t0, p
+        FROM w WHERE k >= 0"""
 
 
 def retrieval_train_count(min_uih_len: int, stride: int) -> str:
@@ -121,45 +120,48 @@ def retrieval_train_count(min_uih_len: int, stride: int) -> str:
     return f"SELECT coalesce(sum((n - 2 - {m}) // {stride} + 1), 0) FROM {USER_COUNTS} WHERE n - 2 >= {m}"
 
 
-def retrieval_train_query(min_uih_len: int, max_uih_len: int, stride: int, label: str,
-                          user_features: list[str]) -> str:
-    """Leave-one-out training windows (``readers._leave_one_out``): the candidate is the next
-    item alone, label 1; windows end ``stride`` events apart, the last at the second-to-last event."""
+def retrieval_train_rows(min_uih_len: int, max_uih_len: int, stride: int, label: str, users: str) -> str:
+    """Leave-one-out training windows of the ``users`` (``readers._leave_one_out``): the candidate
+    is the next item alone, label 1; windows end ``stride`` events apart, the last at the
+    second-to-last event."""
     m, top, s = min_uih_len, max_uih_len, stride
     before = max(0, -(-(top - s + 1) // s))  # chunks before the window's own that hold max_uih_len events
-    side_cols, side_join = _side(user_features, "w")
-    history = "".join(f", a_{x}[len(a_{x}) - least(w.p, {top}):len(a_{x}) - 1] AS uih_{x}"
+    history = "".join(f", a_{x}[len(a_{x}) - least(p, {top}):len(a_{x}) - 1] AS uih_{x}"
                       for x in ("items", "times", "actions"))
     return f"""
-        WITH chunks AS ({_lists(f"(n - 2 - pos) // {s}", "max", f"pos <= n - 2 AND n - 2 >= {m}")}),
+        WITH chunks AS ({_lists(f"(n - 2 - pos) // {s}", "max", f"pos <= n - 2 AND n - 2 >= {m} AND {users}")}),
         w AS (
             SELECT "user", p, items, times,
                    flatten(list(items) OVER upto) AS a_items, flatten(list(times) OVER upto) AS a_times,
                    flatten(list(actions) OVER upto) AS a_actions
             FROM chunks
             WINDOW upto AS (PARTITION BY "user" ORDER BY k DESC ROWS BETWEEN {before} PRECEDING AND CURRENT ROW))
-        SELECT w."user" AS user_id{history}, [w.items[-1]] AS cand_items, [w.times[-1]] AS cand_times,
-               [CAST(1 AS FLOAT)] AS {ident('label:' + label)}{side_cols}
-        FROM w{side_join}
-        WHERE w.p >= {m}
-        ORDER BY w.times[-1], w."user", w.p
-        """
+        SELECT "user" AS user_id{history}, [items[-1]] AS cand_items, [times[-1]] AS cand_times,
+               [CAST(1 AS FLOAT)] AS {ident('label:' + label)}, times[-1] AS t0, p
+        FROM w WHERE p >= {m}"""
 
 
 def retrieval_eval_count() -> str:
     return f"SELECT count(*) FROM {USER_COUNTS} WHERE n >= 2"
 
 
-def retrieval_eval_query(max_uih_len: int, label: str, user_features: list[str]) -> str:
-    """One held-out sample per user with two events or more: the last event is the candidate,
-    ``seen_items`` every item before it."""
+def retrieval_eval_rows(max_uih_len: int, label: str, users: str) -> str:
+    """One held-out sample per user of the ``users`` with two events or more: the last event is
+    the candidate, ``seen_items`` every item before it."""
     top = max_uih_len
-    side_cols, side_join = _side(user_features, "w")
-    history = "".join(f", w.{x}[w.n - least(w.n - 1, {top}):w.n - 1] AS uih_{x}" for x in ("items", "times", "actions"))
+    history = "".join(f", {x}[n - least(n - 1, {top}):n - 1] AS uih_{x}" for x in ("items", "times", "actions"))
     return f"""
-        WITH w AS (SELECT *, len(items) AS n FROM ({_lists("0", "max", "n >= 2")}))
-        SELECT w."user" AS user_id{history}, [w.items[w.n]] AS cand_items, [w.times[w.n]] AS cand_times,
-               [CAST(1 AS FLOAT)] AS {ident('label:' + label)}{side_cols}, w.items[1:w.n - 1] AS seen_items
-        FROM w{side_join}
-        ORDER BY w.times[w.n], w."user"
-        """
+        WITH w AS (SELECT *, len(items) AS n FROM ({_lists("0", "max", f"n >= 2 AND {users}")}))
+        SELECT "user" AS user_id{history}, [items[n]] AS cand_items, [times[n]] AS cand_times,
+               [CAST(1 AS FLOAT)] AS {ident('label:' + label)}, items[1:n - 1] AS seen_items, times[n] AS t0, n - 1 AS p
+        FROM w"""
+
+
+def ordered(columns: list[str], user_features: list[str]) -> str:
+    """Every sample of ``SAMPLES`` in the global order: ``columns``, then the ``user:<name>`` side
+    features (empty lists for a user the side file lacks)."""
+    cols = ", ".join(f"x.{ident(c)}" for c in columns)
+    side = "".join(f", coalesce(s.{ident('user:' + f)}, CAST([] AS BIGINT[])) AS {ident('user:' + f)}"
+                   for f in user_features)
+    join = f' LEFT JOIN {USER_SIDE} s ON s."user" = x.user_id' if user_features else ""
+    return f"SELECT {cols}{side} FROM {SAMPLES} x{join} ORDER BY x.t0, x.user_id, x.p"

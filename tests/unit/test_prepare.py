@@ -13,7 +13,7 @@ import pytest
 from freescale.config import SyntheticDataConfig
 from freescale.data.log_formats import LogOptions
 from freescale.data.ml100k import ensure_ml100k
-from freescale.data.prepare import Layout, SampleSettings, prepare_log, prepare_synthetic
+from freescale.data.prepare import Engine, Layout, SampleSettings, memory_bytes, prepare_log, prepare_synthetic
 from freescale.data.readers import RatingsSource, read_ratings
 from freescale.data.synthetic import SyntheticSource
 
@@ -113,6 +113,18 @@ def test_ml100k_ranking_with_more_labels_equals_the_reader(tmp_path, ml100k):
 def test_ml100k_retrieval_equals_the_reader(tmp_path, ml100k, stride):
     settings = SampleSettings(task="retrieval", min_uih_len=2, max_uih_len=50, window_stride=stride)
     prepare_log(str(tmp_path / "ds"), "ml100k", [ml100k], settings, say=quiet)
+    assert_same_samples(str(tmp_path / "ds"), ml100k, settings)
+
+
+@pytest.mark.parametrize("settings", [
+    SampleSettings(min_uih_len=3, max_uih_len=50, num_candidates=10, more_labels=(5.0,)),
+    SampleSettings(task="retrieval", min_uih_len=2, max_uih_len=50, window_stride=10),
+], ids=["ranking", "retrieval"])
+def test_users_cut_in_buckets_give_the_same_samples(tmp_path, ml100k, settings):
+    # A small memory limit cuts the users in buckets (DuckDB cannot spill grouped lists).
+    said = []
+    prepare_log(str(tmp_path / "ds"), "ml100k", [ml100k], settings, engine=Engine(memory_limit="30MB"), say=said.append)
+    assert any("in 3 bucket(s) of users" in line for line in said), said
     assert_same_samples(str(tmp_path / "ds"), ml100k, settings)
 
 
@@ -283,3 +295,19 @@ def test_kuairand_labels_are_the_signals_of_each_candidate(tmp_path):
             assert (row["label:long_view"], row["label:is_click"]) == ([float(long)], [float(click)])
             assert row["uih_actions"] == [float(signals[(row["user_id"], t)][0] + 2 * signals[(row["user_id"], t)][1])
                                           for t in row["uih_times"]]
+
+
+def test_memory_sizes_read_as_duckdb_writes_them():
+    assert memory_bytes("953.6 MiB") == int(953.6 * 2**20)
+    assert memory_bytes("2GB") == 2 * 10**9 and memory_bytes("1.5 GiB") == 3 * 2**29 and memory_bytes("512 KiB") == 2**19
+
+
+def test_samples_of_a_user_at_one_time_follow_their_position(tmp_path):
+    # Thousands of a user's samples tie on time and user: only the position orders them (DuckDB's
+    # sort and parallel windows do not keep it by themselves at this size).
+    rng = np.random.default_rng(0)
+    log = tmp_path / "log.csv"
+    log.write_text("".join(f"u{u},i{rng.integers(0, 500)},{rng.integers(1, 6)},7\n" for u in range(4) for _ in range(8000)))
+    settings = SampleSettings(min_uih_len=1, max_uih_len=4, num_candidates=1, holdout_fraction=0.5)
+    prepare_log(str(tmp_path / "ds"), "csv", [str(log)], settings, say=quiet)
+    assert_same_samples(str(tmp_path / "ds"), str(log), settings)
