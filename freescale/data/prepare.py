@@ -253,6 +253,7 @@ def _connect(work: str, engine: Engine):
     con.execute(f"SET temp_directory = {_literal(os.path.join(work, 'spill'))}")
     con.execute("SET preserve_insertion_order = true")
     con.execute("SET enable_progress_bar = false")
+    con.execute("PRAGMA disable_checkpoint_on_shutdown")  # the database is scratch, deleted after the run
     return con
 
 
