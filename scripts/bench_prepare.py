@@ -6,8 +6,8 @@
 For each log size it writes a Parquet event log once (``freescale.data.event_log``: heavy-tailed
 users, Zipf items, runs/bench_prepare/log-<events>/), then prepares it (ranking) once per memory
 limit, each a fresh process measured alone: wall time, events/s and peak RSS (``os.wait4``).
-Results go to docs/results/bench_prepare.json (rows appended per log size, so sizes can be run
-one at a time).
+Results go to docs/results/bench_prepare.json: a row per (log size, memory limit), replaced when
+run again, so sizes and limits can be run one at a time.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def main() -> None:
     for events in args.events:
         users = max(1, int(events * args.users_per_event))
         log = ensure_log(os.path.join(args.work, f"log-{events}"), events, users=users, items=max(1000, users))
-        rows = [r for r in rows if r["events"] != events]
         for limit in args.memory_limits:
+            rows = [r for r in rows if (r["events"], r["memory_limit"]) != (events, limit)]
             print(f"prepare {events:,} events, memory limit {limit} ...", flush=True)
             row = prepare_once(log, os.path.join(args.work, f"out-{events}-{limit}"), events=events, memory_limit=limit,
                                threads=args.threads, max_uih_len=args.max_uih_len, num_candidates=args.num_candidates)

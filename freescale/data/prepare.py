@@ -6,18 +6,20 @@ core: the log is never held in Python. The steps, all in DuckDB:
 
 1. load every input file into one table, in file order (``log_formats``);
 2. map ids to indices and number each user's events by time (``sample_sql.timeline_statements``);
-3. cut each task's samples with window functions over chunks of each user's events, ordered
-   by the time of their first candidate (``sample_sql``), and stream the rows as Arrow batches in
-   that order into ``SplitWriter``; sample ids are the rows' places in the stream, the latest
+3. cut each task's samples with window functions over chunks of each user's events, one bucket
+   of users at a time into one table (``sample_sql``), then read that table ordered by the time of
+   each sample's first candidate and stream the rows as Arrow batches in that order into
+   ``SplitWriter``; sample ids are the rows' places in the stream, the latest
    ``round(n * holdout_fraction)`` ranking samples go to the eval split (retrieval: each user's
    last event, ids after the training windows').
 
 Why DuckDB: the cut needs per-user window functions whose frames build lists (``list(...) OVER
 (PARTITION BY user ORDER BY k ROWS BETWEEN ...)``), a global sort, joins and grouped list
-aggregates, on logs larger than memory. DuckDB runs all of them out of core: sorts, joins,
-aggregates and windows spill to ``temp_directory`` under ``memory_limit``, and a query's result
-streams out as Arrow record batches in its ``ORDER BY`` order (``to_arrow_reader``; the older
-``fetch_record_batch`` is deprecated in duckdb 2.0), so the writer holds a batch at a time.
+aggregates, on logs larger than memory. DuckDB runs them out of core: sorts, joins,
+aggregates and windows spill to ``temp_directory`` under ``memory_limit`` (a grouped ``list()``
+does not: hence the buckets, sized by ``_buckets``), and a query's result streams out as Arrow
+record batches in its ``ORDER BY`` order (``to_arrow_reader``; the older ``fetch_record_batch``
+is deprecated in duckdb 2.0), so the writer holds a batch at a time.
 Polars' streaming engine lowers a per-user rolling window (``rolling(..., group_by=...)``) to its
 in-memory engine (polars-stream's ``lower_group_by.rs`` streams a rolling group-by only without
 keys, August 2026), and its group-by, join and sort do not spill yet (pola-rs/polars#20947).
@@ -42,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 import time
@@ -50,13 +53,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from freescale.config import DataConfig, RatingsDataConfig, SyntheticDataConfig, TaskConfig
+from freescale.data import sample_sql as sql
+from freescale.data.errors import DataError
 from freescale.data.features import NEXT_ITEM_LABEL, label_names
 from freescale.data.log_formats import (EVENTS, KUAIRAND_DEFAULT_SIGNALS, LogOptions, check_options, expand_inputs,
                                         load_events)
-from freescale.data.errors import DataError
+from freescale.data.side_features import read_items, read_users
 from freescale.data.sample_files import (MANIFEST, ROWS_PER_FILE, ROWS_PER_GROUP, DatasetWriter, Manifest,
                                          SampleFileError, sample_schema, samples_table)
-from freescale.data import sample_sql as sql
 from freescale.progress import bar
 
 PREPARE_VERSION = 1
@@ -167,8 +171,6 @@ def prepare_log(out: str, fmt: str, inputs: list[str], settings: SampleSettings 
                 options: LogOptions = LogOptions(), users: str | None = None, items: str | None = None,
                 layout: Layout = Layout(), engine: Engine = Engine(), say=_say) -> Result:
     """Cut the log ``inputs`` (format ``fmt``) into the samples of ``settings`` at ``out``."""
-    from freescale.data.side_features import read_items, read_users
-
     started = time.monotonic()
     check_options(fmt, options)
     settings.check()
@@ -350,8 +352,6 @@ def _buckets(con, events: int, max_uih_len: int, events_per_sample: int) -> int:
 
 def memory_bytes(text: str) -> int:
     """Bytes of a DuckDB size (``953.6 MiB``, ``2GB``: decimal units, binary ones with an i)."""
-    import re
-
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGTP]?)(i?)B?\s*", text, flags=re.IGNORECASE)
     if not m:
         raise DataError(f"--memory-limit: cannot read {text!r} as a size")
