@@ -8,6 +8,8 @@
     freescale lighthouse [--bind HOST:PORT] [--min-replicas N]    torchft's lighthouse for replica groups
     freescale local --config PATH --replicas R --nproc N [--kill R@S,...] [--restart-delay S]
                                                                  R replica groups on this host, with kills
+    freescale prepare --input PATH... --format F --out DIR [...]  an interaction log as Parquet sample files
+    freescale prepare --synthetic N --out DIR [--synthetic.key=value ...]   the synthetic stream, as files
 
 Bad input (unknown key, wrong type, out-of-range value, missing or malformed file, malformed
 YAML) exits with status 2 and one line on stderr naming what was wrong. A run that fails
@@ -98,10 +100,133 @@ def _parser() -> argparse.ArgumentParser:
                     "samples (default 1 16 64 256)")
     sb.add_argument("--threads", type=int, help="intra-op threads (default: torch's)")
     sb.add_argument("--json", default="", help="write the result as JSON here too")
+    _prepare_parser(sub)
     show = sub.add_parser("config", help="print the resolved config (or every key with its docs)")
     show.add_argument("--config", help="experiment YAML file")
     show.add_argument("--keys", action="store_true", help="list every key with its default and description")
     return parser
+
+
+def _prepare_parser(sub) -> None:
+    from freescale.data.log_formats import FORMATS, TIME_UNITS
+    from freescale.data.prepare import Engine, Layout, SampleSettings
+
+    d, lay, eng = SampleSettings(), Layout(), Engine()  # numpy at most: the parser is built for every command
+    prep = sub.add_parser(
+        "prepare", help="cut an interaction log (or the synthetic stream) into a prepared dataset: Parquet sample "
+        "files and a manifest (docs/data.md)",
+        epilog="Synthetic settings are --synthetic.KEY=VALUE (the keys of data.synthetic, see `freescale config "
+        "--keys`). A second run asking for what --out already holds writes nothing.")
+    what = prep.add_argument_group("what to read")
+    what.add_argument("--input", nargs="+", metavar="PATH", help="the log's files (globs allowed; matches in name order)")
+    what.add_argument("--format", choices=FORMATS, help="the log's format (ml100k without --input: the cached "
+                      "MovieLens-100K with its user and item features)")
+    what.add_argument("--ml100k", action="store_true", help="MovieLens-100K from the recbole wheel, with its user and "
+                      "item features (same as --format ml100k without --input)")
+    what.add_argument("--synthetic", type=int, metavar="N", help="N training samples of the synthetic stream instead of a log")
+    what.add_argument("--users", help="user side-feature file (MovieLens u.user, ml-100k.user or users.dat)")
+    what.add_argument("--items", help="item side-feature file (MovieLens u.item, ml-100k.item or movies.dat)")
+    what.add_argument("--columns", default="", help="csv/events: ROLE=COLUMN,... with roles user, item, time, rating")
+    what.add_argument("--time-unit", default="s", choices=list(TIME_UNITS), help="events: the unit of a numeric time column")
+    what.add_argument("--labels", default="", help="kuairand: the 0/1 columns that become labels, comma-separated "
+                      "(default is_click,long_view,is_like)")
+    what.add_argument("--cache", default="runs/cache", help="where MovieLens-100K is cached (default runs/cache)")
+    cut = prep.add_argument_group("how samples are cut (defaults: the config's)")
+    cut.add_argument("--out", required=True, help="the dataset folder to write")
+    cut.add_argument("--task", default=d.task, choices=["ranking", "retrieval"])
+    cut.add_argument("--min-uih-len", type=int, default=d.min_uih_len)
+    cut.add_argument("--max-uih-len", type=int, default=d.max_uih_len)
+    cut.add_argument("--num-candidates", type=int, default=d.num_candidates, help="ranking: candidates per sample")
+    cut.add_argument("--holdout-fraction", type=float, default=d.holdout_fraction, help="ranking: the latest samples held out")
+    cut.add_argument("--positive-rating", type=float, default=d.positive_rating, help="ranking: label 0 is rating >= this")
+    cut.add_argument("--more-labels", type=float, nargs="*", default=list(d.more_labels), metavar="R",
+                     help="ranking: further thresholds, one label each")
+    cut.add_argument("--window-stride", type=int, default=d.window_stride,
+                     help="retrieval: training windows end this many events apart (0: --max-uih-len)")
+    cut.add_argument("--eval-samples", type=int, default=2048, help="synthetic: held-out samples (default 2048)")
+    cut.add_argument("--seed", type=int, default=0, help="synthetic: the stream's seed (run.seed)")
+    res = prep.add_argument_group("files and resources")
+    res.add_argument("--rows-per-file", type=int, default=lay.rows_per_file)
+    res.add_argument("--rows-per-group", type=int, default=lay.rows_per_group)
+    res.add_argument("--memory-limit", default=eng.memory_limit, help=f"DuckDB's memory limit (default {eng.memory_limit}); "
+                     "it spills to <out>.tmp-<pid>/_work beyond it")
+    res.add_argument("--threads", type=int, default=eng.threads, help=f"DuckDB's threads (default {eng.threads}: the cores)")
+
+
+def _prepare(args, extra: list[str]) -> None:
+    import duckdb
+
+    from freescale.data.log_formats import LogOptions
+    from freescale.data.ml100k import ensure_ml100k, ensure_ml100k_features
+    from freescale.data.errors import DataError
+    from freescale.data.prepare import Engine, Layout, SampleSettings, prepare_log, prepare_synthetic
+    from freescale.data.sample_files import SampleFileError
+
+    settings = SampleSettings(task=args.task, min_uih_len=args.min_uih_len, max_uih_len=args.max_uih_len,
+                              num_candidates=args.num_candidates, holdout_fraction=args.holdout_fraction,
+                              positive_rating=args.positive_rating, more_labels=tuple(args.more_labels),
+                              window_stride=args.window_stride)
+    layout = Layout(rows_per_file=args.rows_per_file, rows_per_group=args.rows_per_group)
+    ml100k = args.ml100k or (args.format == "ml100k" and not args.input)
+    sources = [name for name, given in (("--input", bool(args.input)), ("--ml100k", args.ml100k),
+                                        ("--synthetic", args.synthetic is not None)) if given]
+    if len(sources) > 1:
+        _fail(f"{sources[0]} and {sources[1]}: give one source")
+    try:
+        if args.synthetic is not None:
+            overrides = _split_overrides(extra)
+            bad = [a for a in overrides if not a.startswith("--synthetic.")]
+            if bad:
+                _fail(f"unrecognized argument '{bad[0]}' (synthetic settings look like --synthetic.key=value)")
+            try:
+                cfg = load_config(None, ["--data." + a[2:] for a in overrides]).data.synthetic
+            except ConfigError as e:
+                _fail(first_line(e).replace("data.synthetic.", "synthetic."))
+            result = prepare_synthetic(args.out, args.synthetic, args.eval_samples, cfg, seed=args.seed,
+                                       settings=settings, layout=layout)
+        else:
+            if extra:
+                _fail(f"unrecognized argument '{extra[0]}'")
+            if not ml100k and not args.input:
+                _fail("give --input PATH... with --format, --ml100k, or --synthetic N")
+            if not ml100k and not args.format:
+                _fail("--format: required with --input")
+            users, items, inputs = args.users, args.items, args.input
+            if ml100k:
+                inputs = [ensure_ml100k(args.cache)]
+                default_users, default_items = ensure_ml100k_features(args.cache)
+                users, items = users or default_users, items or default_items
+            columns = _columns(args.columns)
+            options = LogOptions(columns=columns, time_unit=args.time_unit,
+                                 signals=tuple(s.strip() for s in args.labels.split(",") if s.strip()))
+            result = prepare_log(args.out, "ml100k" if ml100k else args.format, inputs, settings, options=options,
+                                 users=users, items=items, layout=layout,
+                                 engine=Engine(memory_limit=args.memory_limit, threads=args.threads))
+    except (ConfigError, DataError, SampleFileError) as e:
+        _fail(first_line(e))
+    except (duckdb.Error, MemoryError, OSError) as e:  # a resource ran out (memory, disk): not the input's fault
+        hint = " (raise --memory-limit, or lower --threads)" if isinstance(e, (duckdb.OutOfMemoryException, MemoryError)) else ""
+        print(f"freescale: error: prepare failed: {first_line(e)}{hint}", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    m = result.manifest
+    if result.up_to_date:
+        print(f"{result.path} is up to date ({m.splits['train']['rows']} train and {m.splits['eval']['rows']} eval "
+              f"samples from the same inputs and settings); nothing written")
+        return
+    rate = f", {result.events / result.seconds:,.0f} events/s" if result.events else ""
+    print(f"wrote {result.path}: {m.splits['train']['rows']} train and {m.splits['eval']['rows']} eval {m.task} samples, "
+          f"{m.num_users} users, {m.num_items} items in {result.seconds:.1f} s{rate}")
+
+
+def _columns(text: str) -> dict[str, str]:
+    """``--columns user=a,item=b`` as {role: column}."""
+    columns = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        role, sep, name = part.partition("=")
+        if not sep or not role.strip() or not name.strip():
+            _fail(f"--columns: expected ROLE=COLUMN pairs separated by commas, got {part!r}")
+        columns[role.strip()] = name.strip()
+    return columns
 
 
 def _split_overrides(extra: list[str]) -> list[str]:
@@ -246,6 +371,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "local":
         _local(args, extra)
+        return
+    if args.command == "prepare":
+        _prepare(args, extra)
         return
     try:
         cfg = load_config(args.config, _split_overrides(extra))

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 
-class DataError(ValueError):
-    """A data file that cannot be read; the message is one line naming the file."""
-
-
 def first_line(error: BaseException | str) -> str:
     """The first non-empty line of an error's message (its type's name when it has none)."""
     text = str(error).strip()

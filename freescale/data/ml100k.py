@@ -2,7 +2,10 @@
 
 ``ensure_ml100k(cache_dir)`` downloads the wheel with pip (once), extracts
 ``ml-100k.inter`` (tab-separated ``user_id, item_id, rating, timestamp`` with a header) into
-the cache and returns its path; ``read_ratings`` reads it. The data is never committed.
+the cache and returns its path; ``read_ratings`` reads it. ``ensure_ml100k_features`` extracts
+the users' and items' side-feature files of the same wheel (``ml-100k.user``: age, gender,
+occupation, zip code; ``ml-100k.item``: title, release year, genres) the same way. The data is
+never committed.
 
     python -m freescale.data.ml100k [CACHE_DIR]     prints the path of ml-100k.inter
 """
@@ -16,10 +19,10 @@ import subprocess
 import sys
 import zipfile
 
-from freescale.data.readers import DataError
+from freescale.data.errors import DataError
 
 WHEEL = "recbole==1.2.1"
-MEMBER = "recbole/dataset_example/ml-100k/ml-100k.inter"
+FOLDER = "recbole/dataset_example/ml-100k/"
 
 
 def ensure_ml100k(cache_dir: str = "runs/cache") -> str:
@@ -28,7 +31,16 @@ def ensure_ml100k(cache_dir: str = "runs/cache") -> str:
     Ranks of one host may call it at once: a lock file lets one download while the others
     wait, then find the file. A download that fails raises ``DataError`` with pip's last line.
     """
-    target = os.path.join(cache_dir, "ml-100k.inter")
+    return _ensure(cache_dir, "ml-100k.inter")
+
+
+def ensure_ml100k_features(cache_dir: str = "runs/cache") -> tuple[str, str]:
+    """The paths of ``ml-100k.user`` and ``ml-100k.item`` in ``cache_dir`` (as ``ensure_ml100k``)."""
+    return _ensure(cache_dir, "ml-100k.user"), _ensure(cache_dir, "ml-100k.item")
+
+
+def _ensure(cache_dir: str, name: str) -> str:
+    target = os.path.join(cache_dir, name)
     if os.path.exists(target):
         return target
     try:
@@ -38,11 +50,11 @@ def ensure_ml100k(cache_dir: str = "runs/cache") -> str:
     with open(os.path.join(cache_dir, ".ml100k.lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not os.path.exists(target):
-            _download(cache_dir, target)
+            _extract(cache_dir, name, target)
     return target
 
 
-def _download(cache_dir: str, target: str) -> None:
+def _extract(cache_dir: str, name: str, target: str) -> None:
     wheels = glob.glob(os.path.join(cache_dir, "recbole-1.2.1-*.whl"))
     if not wheels:
         print(f"[ml100k] downloading {WHEEL} from PyPI into {cache_dir} (once)", file=sys.stderr, flush=True)
@@ -55,7 +67,7 @@ def _download(cache_dir: str, target: str) -> None:
                             f"{': ' + last[-1].strip() if last else ''}")
     try:
         with zipfile.ZipFile(wheels[0]) as z, open(target + ".tmp", "wb") as out:
-            out.write(z.read(MEMBER))
+            out.write(z.read(FOLDER + name))
     except (zipfile.BadZipFile, KeyError) as e:
         raise DataError(f"data.source ml100k: {wheels[0]} is not a usable recbole wheel ({e}); delete it to download again") from None
     os.replace(target + ".tmp", target)

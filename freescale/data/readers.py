@@ -40,8 +40,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from freescale.data.batch import Samples, SideLayout
+from freescale.data.errors import DataError
 from freescale.data.retrieval import next_item_candidates
-from freescale.errors import DataError  # noqa: F401 (where callers have always found it)
 
 
 @dataclass

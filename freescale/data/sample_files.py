@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from freescale.errors import DataError
+from freescale.data.errors import DataError
 
 MANIFEST = "manifest.json"
 FORMAT = "freescale.samples"
