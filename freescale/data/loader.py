@@ -21,7 +21,6 @@ import numpy as np
 
 from freescale.config import DataConfig, TaskConfig
 from freescale.data.batch import Batch, Samples, SideLayout
-from freescale.data.ml100k import ensure_ml100k
 from freescale.data.parquet_source import ParquetSource
 from freescale.data.readers import RatingsSource, read_ratings
 from freescale.data.sample_files import SampleFileError
@@ -51,7 +50,11 @@ def build_sources(cfg: DataConfig, seed: int, task: TaskConfig | None = None) ->
         return tuple(SyntheticSource(cfg.synthetic, seed=seed, split=s, **common) for s in ("train", "eval"))
     if cfg.source == "parquet":
         return tuple(parquet_sources(cfg.path, cfg, seed, task))
-    log = read_ratings(ensure_ml100k(cfg.ratings.cache) if cfg.source == "ml100k" else cfg.ratings.path)
+    if cfg.source == "ml100k":  # prepared once per settings, then read like any prepared dataset
+        from freescale.data.prepare import prepared_ml100k
+
+        return tuple(parquet_sources(prepared_ml100k(cfg, task), cfg, seed, task))
+    log = read_ratings(cfg.ratings.path)
     return tuple(
         RatingsSource(log, split=s, positive_rating=cfg.ratings.positive_rating, more_labels=tuple(cfg.ratings.more_labels),
                       holdout_fraction=cfg.ratings.holdout_fraction, seed=seed, window_stride=task.window_stride,

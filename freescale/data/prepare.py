@@ -452,3 +452,29 @@ def prepare_synthetic(out: str, rows: int, eval_rows: int, cfg: SyntheticDataCon
         path = writer.commit(manifest)
     say(f"wrote {rows} train and {eval_rows} eval synthetic samples to {path}")
     return Result(path, manifest, up_to_date=False, seconds=time.monotonic() - started)
+
+
+def prepared_ml100k(data_cfg: DataConfig, task_cfg: TaskConfig) -> str:
+    """``data.source ml100k``: MovieLens-100K (downloaded once) prepared once per sample settings
+    into ``<data.ratings.cache>/ml100k-<task>-<settings hash>``, with its user and item features;
+    the folder's path. Ranks of one host may call it at once: one prepares while the others wait
+    on a lock, then find the dataset up to date."""
+    import fcntl
+    import hashlib
+
+    from freescale.data.ml100k import ensure_ml100k, ensure_ml100k_features
+
+    r = data_cfg.ratings
+    settings = SampleSettings(task=task_cfg.kind, min_uih_len=data_cfg.min_uih_len, max_uih_len=data_cfg.max_uih_len,
+                              num_candidates=data_cfg.num_candidates, holdout_fraction=r.holdout_fraction,
+                              positive_rating=r.positive_rating, more_labels=tuple(r.more_labels),
+                              window_stride=task_cfg.window_stride)
+    key = hashlib.sha256(json.dumps(dataclasses.asdict(settings), sort_keys=True).encode()).hexdigest()[:12]
+    out = os.path.join(r.cache, f"ml100k-{settings.task}-{key}")
+    log = ensure_ml100k(r.cache)
+    users, items = ensure_ml100k_features(r.cache)
+    with open(os.path.join(r.cache, ".ml100k-prepare.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        prepare_log(out, "ml100k", [log], settings, users=users, items=items, engine=Engine(memory_limit="1GB", threads=1),
+                    say=lambda m: None)
+    return out
