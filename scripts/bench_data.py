@@ -16,8 +16,9 @@ dataset sizes 10x apart, and `freescale prepare` on a large event log.
    sizes the same within 10%.
 4. A reader pass over one epoch of each dataset (every ``--pass-stride``-th global batch) in a
    process of its own: its peak RSS before and after, for both sizes.
-5. With ``--prepare-events N``: ``scripts/bench_prepare.py``'s measure of ``freescale prepare``
-   on a synthetic event log of N events (events/s, peak RSS), at its default memory limit.
+5. ``freescale prepare`` on a synthetic event log: with ``--prepare-events N``,
+   ``scripts/bench_prepare.py`` run on N events at its memory limits (events/s, peak RSS);
+   without, the rows of its last run (docs/results/bench_prepare.json) are shown and kept.
 
 Prints a table per part and writes every figure to ``--out`` (JSON).
 """
@@ -36,6 +37,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from freescale.data.measure import disk_bytes, reader_throughput, run_measured, spread  # noqa: E402
+from freescale.data.prepare_bench import format_table  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
 
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
@@ -151,14 +153,18 @@ def main() -> None:
     print(f"\nreader / training consumption: {result['ratios']['reader_over_training']:.1f}x (goal >= 5x)")
     print(f"peak RSS large / small: {result['ratios']['rss_large_over_small']:.3f} (goal within 1 +- 0.10)")
 
+    prepare_json = os.path.join(REPO, "docs", "results", "bench_prepare.json")
     if args.prepare_events:
-        out = os.path.join(args.work, "bench_prepare.json")
+        prepare_json = os.path.join(args.work, "bench_prepare.json")
         proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_prepare.py"), "--events",
-                               str(args.prepare_events), "--out", out], cwd=REPO)
+                               str(args.prepare_events), "--json", prepare_json], cwd=REPO)
         if proc.returncode:
             raise SystemExit("bench_prepare failed")
-        with open(out) as f:
-            result["prepare"] = json.load(f)
+    if os.path.isfile(prepare_json):  # (without --prepare-events: the last scripts/bench_prepare.py run)
+        with open(prepare_json) as f:
+            result["prepare"] = {"from": os.path.relpath(prepare_json, REPO), **json.load(f)}
+        print(f"\nprepare ({result['prepare']['from']}):")
+        print(format_table(result["prepare"]["rows"]))
     write_json_atomic(args.out, result)
     print(f"wrote {args.out}")
 
