@@ -12,10 +12,10 @@ Retrieval files store each sample's next item only (label 1); its ``num_negative
 negatives are drawn here from the run's seed and the sample id (``freescale.data.retrieval``),
 exactly as a ratings log's source draws them.
 
-Everything is checked against the manifest when a file is first opened (its columns and their
-types, its row count and row groups) and when a row group is decoded (history lengths within the
-declared maximum, ids within the vocabularies); a problem raises ``SampleFileError`` naming the
-file (and row group or column).
+Everything is checked against the manifest: every file's footer when the source is made (its
+columns and their types, its row groups), so before a run writes anything, and each row group
+when it is decoded (history lengths within the declared maximum, ids within the vocabularies,
+no nulls); a problem raises ``SampleFileError`` naming the file (and row group or column).
 """
 
 from __future__ import annotations
@@ -84,6 +84,8 @@ class ParquetSource:
         self._capacity = max(1, cache_row_groups)
         self._opened: dict[int, object] = {}
         self._lock = threading.Lock()
+        for i in range(len(self._files)):  # every footer against the manifest, before a run writes anything
+            self._open(i)
 
     @property
     def num_samples(self) -> int:
@@ -181,14 +183,17 @@ class ParquetSource:
             want = self._expected.field(name).type
             if not schema.field(name).type.equals(want):
                 raise SampleFileError(f"{path}: column {name!r} is {schema.field(name).type}, expected {want}")
-        declared = self._declared[i]
-        actual = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
-        if actual != [int(r) for r in declared["row_groups"]]:
-            raise SampleFileError(f"{path}: row groups of {actual} rows, the manifest says {declared['row_groups']}")
+        self._check_footer(f, i)
         self._opened[i] = f
         if len(self._opened) > 8:  # keep a few files open
             self._opened.pop(next(iter(self._opened)))
         return f
+
+    def _check_footer(self, f, i: int) -> None:
+        declared = self._declared[i]
+        actual = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
+        if actual != [int(r) for r in declared["row_groups"]]:
+            raise SampleFileError(f"{self._files[i]}: row groups of {actual} rows, the manifest says {declared['row_groups']}")
 
     def _decode(self, g: int):
         file, group = self._groups[g]

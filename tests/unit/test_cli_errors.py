@@ -131,3 +131,20 @@ def test_export_refuses_a_model_with_side_features_in_one_line(tmp_path):
     assert proc.stderr.strip().splitlines() == [f"freescale: error: {run}: the model reads side features (item:cluster); "
                                                 "serving does not feed them yet, so it cannot be exported"]
     assert not (tmp_path / "out").exists()
+
+
+def test_a_corrupt_prepared_file_fails_before_a_run_folder_exists(tmp_path):
+    # The last of the train split's files is damaged: the run stops before it writes anything,
+    # not when its cursor first reaches that file.
+    from helpers.prepared import write_synthetic_prepared
+
+    data = write_synthetic_prepared(tmp_path / "data", QUICKSTART, [], n_train=120)
+    last = sorted((tmp_path / "data" / "train").iterdir())[-1]
+    last.write_bytes(last.read_bytes()[:-40])
+    run_dir = tmp_path / "run"
+    proc = freescale("train", "--config", str(QUICKSTART), "--data.source=parquet", f"--data.path={data}",
+                     f"--run.dir={run_dir}", timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"freescale: error: {last}: not a readable Parquet file"), proc.stderr
+    assert not run_dir.exists()
