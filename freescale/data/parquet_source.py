@@ -183,17 +183,14 @@ class ParquetSource:
             want = self._expected.field(name).type
             if not schema.field(name).type.equals(want):
                 raise SampleFileError(f"{path}: column {name!r} is {schema.field(name).type}, expected {want}")
-        self._check_footer(f, i)
+        declared = self._declared[i]
+        actual = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
+        if actual != [int(r) for r in declared["row_groups"]]:
+            raise SampleFileError(f"{path}: row groups of {actual} rows, the manifest says {declared['row_groups']}")
         self._opened[i] = f
         if len(self._opened) > 8:  # keep a few files open
             self._opened.pop(next(iter(self._opened)))
         return f
-
-    def _check_footer(self, f, i: int) -> None:
-        declared = self._declared[i]
-        actual = [f.metadata.row_group(g).num_rows for g in range(f.num_row_groups)]
-        if actual != [int(r) for r in declared["row_groups"]]:
-            raise SampleFileError(f"{self._files[i]}: row groups of {actual} rows, the manifest says {declared['row_groups']}")
 
     def _decode(self, g: int):
         file, group = self._groups[g]
