@@ -12,6 +12,10 @@ FreeScale touches TorchRec's internals at two seams, both below any public API:
 and it overrides two of ``TrainPipelineSparseDist``'s methods to mark the input distribution
 on the timeline (``require_methods``).
 
+``train.pipeline: pec`` drives TorchRec's PEC modules and applies their gradients itself
+(``apply_pec_gradient``), correcting two differences from TorchRec's standard path that make
+PEC as shipped train other numbers than ``sparse_dist`` (docs/pec.md).
+
 The stack is pinned (``scripts/setup.sh``); another version only logs a warning, once. When an
 attribute is gone, the error names it, the object's type, what FreeScale reads it for, and the
 versions found against the pinned ones: the place to adapt is this module.
@@ -173,3 +177,81 @@ def sharded_kernels(model: torch.nn.Module) -> list[torch.nn.Module]:
                 lookup = lookup.module
             kernels += [private(emb, "_emb_module", _ROWS) for emb in private(lookup, "_emb_modules", _ROWS)]
     return kernels
+
+
+# TorchRec's PEC modules ------------------------------------------------------------------------
+
+PEC_PURPOSE = "to drive TorchRec's PEC modules (train.pipeline pec)"
+
+
+def one_sharding_group(partitions: list) -> None:
+    """Raise unless PEC split the lookup into one sharding group: 1.8.0's
+    ``compute_and_output_dist_in_partition`` looks every group up with the same partition."""
+    if len(partitions) != 1:
+        raise PrivateAttributeMissing(
+            f"{versions_line()}: a PEC module has {len(partitions)} sharding groups; train.pipeline pec drives "
+            f"one (the item table, row-wise)")
+
+
+def rank_major_to_feature_major(grad: torch.Tensor, lengths: torch.Tensor, recat: torch.Tensor) -> torch.Tensor:
+    """``grad``'s rows, received from the ranks one after another (rank-major: rank 0's rows of
+    every feature, then rank 1's), in the order the owner's lookup holds them (feature-major:
+    feature 0's rows from every rank, then feature 1's). ``lengths``: the lookup's KJT lengths
+    (feature-major, ``recat.numel()`` segments); ``recat``: the batch's
+    ``sparse_features_recat``, which TorchRec's sequence all-to-all inverts to go from the
+    lookup's order to the ranks'. The rows are moved, never summed: the values are unchanged."""
+    to_ranks = torch.ops.fbgemm.invert_permute(recat)
+    rows = torch.arange(grad.shape[0], dtype=torch.int64, device=grad.device)
+    _, order, _ = torch.ops.fbgemm.permute_2D_sparse_data(to_ranks, lengths.view(to_ranks.numel(), -1), rows, None,
+                                                          rows.numel())
+    # order[k]: the lookup's row that the k-th received row belongs to.
+    return torch.empty_like(grad).index_copy_(0, order, grad)
+
+
+def apply_pec_gradient(module, applier, features, sharding_ctx, *, world_size: int, corrected: bool = True) -> None:
+    """Wait for one partition of a PEC module's gradient exchange (``applier``: TorchRec's
+    ``PECGradientApply``, its exchange started) and apply it to the fused table by looking
+    ``features`` up again and running the kernel's backward, as ``PECGradientApply.apply`` does.
+
+    ``corrected`` applies the gradient as TorchRec's standard sequence all-to-all
+    (``All2All_Seq_Req.backward``) does, where TorchRec 1.8.0's ``PECGradientApply`` does not:
+
+    1. **Order.** The gradient arrives rank-major, and the re-lookup is of the owner's
+       features, feature-major. With one feature per table the two orders agree; with more
+       (the history and the candidates share the item table) PEC applies each row's gradient
+       to another row. The standard path permutes the received rows back by the batch's
+       recat; so does this (``rank_major_to_feature_major``).
+    2. **Scale.** The standard path divides the received gradient by the group's size
+       (``torchrec.distributed.comm_ops.GRADIENT_DIVISION``, on by default); PEC does not, so
+       its updates are ``world_size`` times larger (row-wise Adagrad's state ``world_size``
+       squared). This divides when TorchRec's setting says to.
+    """
+    from torchrec.distributed.comm_ops import get_gradient_division
+
+    work = private(applier, "_work", PEC_PURPOSE)
+    buffer = private(applier, "_grad_buffer", PEC_PURPOSE)
+    if work is None or buffer is None:
+        raise PrivateAttributeMissing(f"{versions_line()}: a PEC gradient is applied before its exchange started")
+    ec = private(module, "_embedding_collection", PEC_PURPOSE)
+    lookup, dim = private(ec, "_lookups", PEC_PURPOSE)[0], _dim(ec)
+    if not corrected:
+        applier.apply(features, lookup, dim)
+        return
+    work.wait()
+    grad = rank_major_to_feature_major(buffer.view(-1, dim), features.lengths(),
+                                       private(sharding_ctx, "sparse_features_recat", PEC_PURPOSE))
+    if get_gradient_division():
+        grad = grad.div_(world_size)
+    if features.values().numel() > 0:
+        with torch.enable_grad():
+            embs = lookup(features).view(-1, dim)
+            if embs.numel() > 0:
+                embs.backward(grad)
+    applier._work = None
+    applier._grad_buffer = None
+
+
+def _dim(ec) -> int:
+    """The row width of a sharded EmbeddingCollection's (one) row-wise sharding group."""
+    sharding_type = next(iter(private(ec, "_sharding_type_to_sharding", PEC_PURPOSE)))
+    return private(ec, "_embedding_dim_for_sharding_type", PEC_PURPOSE)(sharding_type)

@@ -236,8 +236,10 @@ class EmbeddingConfig:
 class TrainConfig:
     steps: Annotated[int, Positive] = 200
     """Total optimizer steps (a resumed run continues up to this count)."""
-    pipeline: Literal["sparse_dist", "base", "prioritized", "sync"] = "sparse_dist"
-    """Training pipeline: TorchRec TrainPipelineSparseDist (baseline), TorchRec's unpipelined base, prioritized (FreeScale's own embedding tables, collision rows first, exclusive rows early) or sync (the same tables, synchronous updates: the reference)."""
+    pipeline: Literal["sparse_dist", "base", "pec", "prioritized", "sync"] = "sparse_dist"
+    """Training pipeline: TorchRec TrainPipelineSparseDist (baseline), TorchRec's unpipelined base, pec (TorchRec's prioritized embedding communication modules on the item table, corrected to train sparse_dist's numbers: docs/pec.md), prioritized (FreeScale's own embedding tables, collision rows first, exclusive rows early) or sync (the same tables, synchronous updates: the reference)."""
+    pec_corrections: bool = True
+    """train.pipeline pec: apply TorchRec's PEC gradients as its standard path does (reordered to the lookup's order, divided by the ranks); false runs PEC as TorchRec 1.8.0 ships it, which trains other numbers (docs/pec.md)."""
     optimizer: Literal["adam", "adagrad", "sgd"] = "adam"
     """Dense optimizer."""
     lr: Annotated[float, Range(min=0.0)] = 0.001
@@ -716,6 +718,9 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError(f"ft.replica_id: expected < ft.num_replicas ({ft.num_replicas}), got {ft.replica_id}")
     if ft.min_replicas > ft.num_replicas:
         raise ConfigError(f"ft.min_replicas: expected <= ft.num_replicas ({ft.num_replicas}), got {ft.min_replicas}")
+    if cfg.train.pipeline == "pec" and cfg.embedding.sharding != "row_wise":
+        raise ConfigError(f"embedding.sharding: TorchRec's PEC modules (train.pipeline pec) shard row-wise only, "
+                          f"got {cfg.embedding.sharding}")
     if ft.enable and cfg.train.pipeline == "base":
         raise ConfigError("ft.enable: the replica layer votes on the steps of train.pipeline sparse_dist, "
                           "prioritized or sync, got base")

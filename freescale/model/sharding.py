@@ -32,15 +32,23 @@ EMBEDDING_OPTIMIZERS = {"rowwise_adagrad": RowWiseAdagrad, "sgd": torch.optim.SG
 DENSE_OPTIMIZERS = {"adam": torch.optim.Adam, "adagrad": torch.optim.Adagrad, "sgd": torch.optim.SGD}
 
 
-def shard_model(model: nn.Module, cfg: EmbeddingConfig, topology: Topology, device: torch.device
-                ) -> DistributedModelParallel:
+def shard_model(model: nn.Module, cfg: EmbeddingConfig, topology: Topology, device: torch.device, *,
+                pec: bool = False) -> DistributedModelParallel:
     """Fuse the embedding optimizer, plan the sharding on the replica's rank 0 (every rank gets
-    its plan) and wrap in DMP over the replica's group."""
+    its plan) and wrap in DMP over the replica's group. ``pec``: the item table's collection is
+    wrapped in TorchRec's ``PECEmbeddingCollection`` and sharded by its sharder (row-wise)."""
     pg = topology.pg
     tables = [getattr(model, name, None) for name in ("item_ec", "user_ebc", "user_side_ebc", "item_side_ebc")]
     for module in (m for m in tables if m is not None):
         apply_optimizer_in_backward(EMBEDDING_OPTIMIZERS[cfg.optimizer], module.parameters(), {"lr": cfg.lr})
-    sharders = [EmbeddingCollectionSharder(), EmbeddingBagCollectionSharder()]
+    item_sharder = EmbeddingCollectionSharder()
+    if pec:
+        from torchrec.distributed.pec_embedding import PECEmbeddingCollectionSharder
+        from torchrec.modules.pec_embedding_modules import PECEmbeddingCollection
+
+        model.item_ec = PECEmbeddingCollection(model.item_ec)
+        item_sharder = PECEmbeddingCollectionSharder()
+    sharders = [item_sharder, EmbeddingBagCollectionSharder()]
     constraints = None
     if cfg.sharding != "auto":
         # Pooled tables (the user's, the side features') shard row-wise only on accelerators in

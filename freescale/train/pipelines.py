@@ -6,6 +6,9 @@
   replica layer: ``ReplicaSparseDist``.
 - ``base`` (``BasePipeline``): TorchRec's ``TrainPipelineBase``: no overlap, the synchronous
   reference.
+- ``pec`` (``PECPipeline``): TorchRec's PEC modules on the item table, driven by
+  ``freescale.train.pec.PECSparseDist`` (TorchRec 1.8.0 has no PEC pipeline), the gradients
+  applied as the standard path applies them (``compat.apply_pec_gradient``).
 - ``sync`` and ``prioritized`` (``SyncPipeline``, ``PrioritizedPipeline``): FreeScale's own
   row-wise sharded tables, the embedding exchanges synchronous or ordered by priority
   (``freescale.embedding.pipeline``), over a transport of their own.
@@ -29,7 +32,7 @@ from freescale.data.batch import Batch
 from freescale.ft.replica import COMMITTED, Vote
 from freescale.model.seqrec import StepOutput
 from freescale.profile.timeline import instrument_phases
-from freescale.train.tables import OWNED_TABLES, TORCHREC_TABLES
+from freescale.train.tables import OWNED_TABLES, PEC_TABLES, TORCHREC_TABLES
 
 
 class TrainPipeline(Protocol):
@@ -124,8 +127,8 @@ class SparseDistPipeline(_TorchRecPipeline):
                          model, device)
 
     @classmethod
-    def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None
-              ) -> TrainPipeline:
+    def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None,
+              train_cfg=None) -> TrainPipeline:
         """This pipeline, or ``ReplicaSparseDist`` under the replica layer."""
         if replica is not None and replica.enabled:
             return ReplicaSparseDist(model, optimizer, device, timeline, replica)
@@ -133,6 +136,32 @@ class SparseDistPipeline(_TorchRecPipeline):
 
     def _plain_forwards(self) -> ContextManager:
         return compat.original_forwards(self.inner)
+
+
+class PECPipeline(SparseDistPipeline):
+    """``train.pipeline: pec``: TorchRec's PEC modules (``freescale.train.pec``). The NOL
+    gradients a step defers are applied by ``drain()``; evaluation runs the plain model, as
+    under ``sparse_dist``."""
+
+    table_kind = PEC_TABLES
+
+    def __init__(self, model, optimizer, device, timeline, *, corrected: bool = True) -> None:
+        from freescale.train.pec import PECSparseDist
+
+        instrument_phases(timeline, model, optimizer)
+        _TorchRecPipeline.__init__(self, PECSparseDist(model, optimizer, device, timeline=timeline,
+                                                       corrected=corrected), model, device)
+
+    @classmethod
+    def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None,
+              train_cfg=None) -> TrainPipeline:
+        """``train_cfg.pec_corrections``: apply the gradients corrected (the default) or as shipped."""
+        if replica is not None and replica.enabled:
+            raise ValueError("train.pipeline pec does not run under the replica layer yet")
+        return cls(model, optimizer, device, timeline, corrected=train_cfg is None or train_cfg.pec_corrections)
+
+    def drain(self) -> None:
+        self.inner.drain()
 
 
 class BasePipeline(_TorchRecPipeline):
@@ -143,8 +172,8 @@ class BasePipeline(_TorchRecPipeline):
         super().__init__(TrainPipelineBase(model, optimizer, device), model, device)
 
     @classmethod
-    def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None
-              ) -> TrainPipeline:
+    def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None,
+              train_cfg=None) -> TrainPipeline:
         if replica is not None and replica.enabled:
             raise ValueError("train.pipeline base does not run under the replica layer")
         return cls(model, optimizer, device, timeline)
@@ -266,7 +295,8 @@ class _OwnedTablesPipeline:
         self.transport = transport
 
     @classmethod
-    def build(cls, model, optimizer, device, timeline, *, group, transport_cfg, replica=None) -> TrainPipeline:
+    def build(cls, model, optimizer, device, timeline, *, group, transport_cfg, replica=None,
+              train_cfg=None) -> TrainPipeline:
         from freescale.embedding.pipeline import PIPELINES as SCHEDULES
         from freescale.transport.registry import build_transport, group_for
 
@@ -303,13 +333,14 @@ class PrioritizedPipeline(_OwnedTablesPipeline):
     schedule = "prioritized"
 
 
-PIPELINES: dict[str, type] = {"sparse_dist": SparseDistPipeline, "base": BasePipeline, "sync": SyncPipeline,
+PIPELINES: dict[str, type] = {"sparse_dist": SparseDistPipeline, "base": BasePipeline, "pec": PECPipeline,
+                              "sync": SyncPipeline,
                               "prioritized": PrioritizedPipeline}
 
 
 def build_pipeline(name: str, model: torch.nn.Module, optimizer, device: torch.device, timeline, *,
-                   group=None, transport_cfg=None, replica=None) -> TrainPipeline:
+                   group=None, transport_cfg=None, replica=None, train_cfg=None) -> TrainPipeline:
     """The named pipeline; ``timeline`` receives its phase spans (a NullTimeline when not profiling);
-    ``replica``: the replica layer the step votes with."""
+    ``replica``: the replica layer the step votes with; ``train_cfg``: the config's train section."""
     return PIPELINES[name].build(model, optimizer, device, timeline, group=group, transport_cfg=transport_cfg,
-                                 replica=replica)
+                                 replica=replica, train_cfg=train_cfg)

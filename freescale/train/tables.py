@@ -5,6 +5,8 @@
   the optimizer fused into backward; the optimizer combines the fused one with the dense one;
   under the replica layer the groups add up their changes to the rows every
   ``ft.embedding_sync_every`` steps (``TableSync``).
+- TorchRec's with the item table in PEC's modules (``PEC_TABLES``, under ``pec``): the same,
+  the item table's collection wrapped in ``PECEmbeddingCollection``.
 - FreeScale's own (``OWNED_TABLES``, under ``sync`` and ``prioritized``): ``OwnedModel`` over
   ``ShardedTables``, on the run's device (fbgemm's CPU or CUDA kernel); the optimizer is the dense one alone, over the model's
   task (the tables fuse their own); under the replica layer each step's row gradients are
@@ -63,6 +65,17 @@ class TorchRecTables:
                          last_step=cfg.train.steps)
 
 
+class PECTables(TorchRecTables):
+    """TorchRec's tables, the item table's collection wrapped in ``PECEmbeddingCollection``
+    (``train.pipeline: pec``): sharded row-wise by PEC's sharder, the rest as ``sparse_dist``."""
+
+    def build_model(self, cfg: ExperimentConfig, *, num_items: int, topology: Topology,
+                    device: torch.device, side_layout: SideLayout = SideLayout()) -> nn.Module:
+        model = SeqRecModel(cfg.model, cfg.embedding, num_items=num_items, **task_settings(cfg),
+                            device=torch.device("meta"), side_specs=side_specs(cfg.model, side_layout))
+        return shard_model(model, cfg.embedding, topology, device, pec=True)
+
+
 class OwnedTables:
     """FreeScale's own row-wise sharded tables (``freescale.embedding``)."""
 
@@ -94,4 +107,5 @@ class OwnedTables:
 
 
 TORCHREC_TABLES = TorchRecTables()
+PEC_TABLES = PECTables()
 OWNED_TABLES = OwnedTables()

@@ -63,7 +63,7 @@ class Training:
     def build_pipeline(self, device: torch.device, timeline, *, group, replica) -> TrainPipeline:
         """The pipeline; ``timeline`` receives its phase spans, ``replica`` votes on its steps."""
         return self.pipeline_class.build(self.model, self.optimizer, device, timeline, group=group,
-                                         transport_cfg=self.cfg.transport, replica=replica)
+                                         transport_cfg=self.cfg.transport, replica=replica, train_cfg=self.cfg.train)
 
 
 def build_training(cfg: ExperimentConfig, *, num_items: int, topology: Topology, device: torch.device,
