@@ -1,6 +1,7 @@
 """``freescale`` command line: each subcommand loads the config and calls one library function.
 
     freescale train  --config PATH [--section.key=value ...]
+    freescale verify --config PATH [--pipelines A,B] [--set-b K=V]   two pipelines, bit for bit
     freescale report RUN_DIR [RUN_DIR_B]                          bubble report (or B against A)
     freescale calibrate --config PATH [--out PATH]               fit the per-sample cost model
     freescale balance --lengths X.npy --ranks N [--partition P]  partition quality of a global batch
@@ -52,11 +53,17 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--config", required=True, help="experiment YAML file (the model to measure)")
     cal.add_argument("--out", default="", help="where to write the cost model JSON (default: <run.out_dir>/cost_model-<run.name>.json)")
     cal.add_argument("--repeats", type=int, default=5, help="timed repetitions per grid point")
-    ver = sub.add_parser("verify", help="train the same data with the prioritized pipeline and with synchronous "
-                         "updates; exit 0 only if every step and all state are bitwise equal (or within --tolerance)",
-                         epilog="Any config key can be overridden as --section.key=value. Runs standalone or under torchrun.")
+    ver = sub.add_parser("verify", help="train the same data with two pipelines (default: sync and prioritized) and "
+                         "compare every step's loss and all state; exit 0 only if bitwise equal (or within --tolerance)",
+                         epilog="Any config key can be overridden as --section.key=value (both runs). Runs standalone "
+                         "or under torchrun. Not under the replica layer (ft.enable).")
     ver.add_argument("--config", required=True, help="experiment YAML file")
     ver.add_argument("--steps", type=int, default=20, help="steps to train each way (default 20)")
+    ver.add_argument("--pipelines", default="sync,prioritized", metavar="A,B",
+                     help="the two pipelines to compare, over the same kind of tables: sync and prioritized "
+                          "(FreeScale's own), or sparse_dist and base (TorchRec's) (default sync,prioritized)")
+    ver.add_argument("--set-b", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                     help="a config override for run B alone (repeatable): does this setting change the numbers?")
     ver.add_argument("--tolerance", type=float, default=0.0,
                      help="pass when every loss and state difference is at most this (default 0: bit for bit; "
                           "for a GPU run, whose kernels need not be bitwise reproducible)")
@@ -375,6 +382,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "prepare":
         _prepare(args, extra)
         return
+    if args.command == "verify":
+        _verify(args, extra)
+        return
     try:
         cfg = load_config(args.config, _split_overrides(extra))
     except ConfigError as e:
@@ -382,9 +392,6 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.command == "calibrate":
         _calibrate(args, cfg)
-        return
-    if args.command == "verify":
-        _verify(args, cfg)
         return
     if args.command == "simulate":
         _simulate(args, cfg)
@@ -460,24 +467,37 @@ def _local(args, extra: list[str]) -> None:
     sys.exit(0 if succeeded(summary) else EXIT_FAILED)
 
 
-def _verify(args, cfg) -> None:
+def _verify(args, extra: list[str]) -> None:
+    import torch.distributed as dist
+
     from freescale import distributed
     from freescale.balance.cost import CostModelError
     from freescale.data.readers import DataError
-    from freescale.train.verify import print_verdict, verify
+    from freescale.train.verify import pipeline_pair, print_verdict, verify
 
     if args.steps < 2:
         _fail(f"--steps: expected at least 2 (the pipeline overlaps consecutive steps), got {args.steps}")
     if not args.tolerance >= 0:
         _fail(f"--tolerance: expected a number at least 0, got {args.tolerance}")
     try:
-        verdict = verify(cfg, args.steps)
+        a, b = pipeline_pair(args.pipelines)
+        overrides = _split_overrides(extra)
+        if any(item.removeprefix("--").split("=", 1)[0] == "train.pipeline" for item in [*overrides, *args.set_b]):
+            raise ConfigError("train.pipeline: freescale verify trains the two pipelines of --pipelines")
+        cfg_a = load_config(args.config, [*overrides, f"--train.pipeline={a}"])
+        cfg_b = load_config(args.config, [*overrides, *args.set_b, f"--train.pipeline={b}"])
+        verdict = verify(cfg_a, cfg_b, args.steps)
     except (ConfigError, DataError, CostModelError) as e:
         _fail(str(e))
-    main_rank = int(os.environ.get("RANK", 0)) == 0
-    distributed.shutdown()
-    if main_rank:
+    if int(os.environ.get("RANK", 0)) == 0:
+        if args.set_b:
+            print(f"run B ({b}) with {' '.join(args.set_b)}")
         print_verdict(verdict, args.tolerance)
+        sys.stdout.flush()
+    # Every rank exits with the verdict, once rank 0 has printed it: torchrun stops the other
+    # ranks when the first one exits with 1.
+    dist.barrier()
+    distributed.shutdown()
     sys.exit(0 if verdict.within(args.tolerance) else EXIT_FAILED)
 
 

@@ -13,12 +13,16 @@
   summed across the groups (``OwnedRows``).
 
 Each pipeline class names its kind (``table_kind``), so the trainer never asks which it has.
+Each kind also copies out this rank's part of its tables and of their fused optimizer's state
+(``embedding_state``), which ``freescale verify`` compares between two runs.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+from torch.distributed.tensor import DTensor
 
 from freescale.config import ConfigError, ExperimentConfig, TrainConfig
 from freescale.data.batch import SideLayout
@@ -32,8 +36,28 @@ from freescale.model.side import side_specs
 from freescale.model.sharding import build_dense_optimizer, build_optimizer, dense_part, shard_model
 
 
+EmbeddingState = dict[str, dict[str, torch.Tensor]]
+"""Copies of this rank's embedding rows and of their optimizer's state: ``{"embedding rows":
+{name: rows}, "embedding optimizer state": {name: state}}``."""
+
+
+def local_copies(name: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+    """This rank's part of ``value`` by name, copied: a ShardedTensor's local shards (named by
+    their offsets when a rank holds several), a DTensor's local tensor, a plain tensor whole."""
+    if isinstance(value, ShardedTensor):
+        shards = value.local_shards()
+        if len(shards) == 1:
+            return {name: shards[0].tensor.detach().clone()}
+        return {f"{name}@{tuple(s.metadata.shard_offsets)}": s.tensor.detach().clone() for s in shards}
+    if isinstance(value, DTensor):
+        value = value.to_local()
+    return {name: value.detach().clone()}
+
+
 class TorchRecTables:
     """TorchRec's EmbeddingCollection tables, sharded by DistributedModelParallel."""
+
+    description = "TorchRec's tables"
 
     def check_device(self, pipeline: str, device: torch.device) -> None:
         """They run wherever TorchRec does."""
@@ -64,6 +88,19 @@ class TorchRecTables:
                          average=cfg.ft.embedding_sync == "average", checkpoint_every=cfg.checkpoint.every,
                          last_step=cfg.train.steps)
 
+    def embedding_state(self, model: nn.Module) -> EmbeddingState:
+        """The parameters the fused optimizer updates (the tables' shards on this rank) and its
+        state (row-wise Adagrad's ``momentum1``), by their names in DMP's state dict."""
+        fused = model.fused_optimizer
+        rows, state = {}, {}
+        for name, param in fused.params.items():
+            rows.update(local_copies(name, param))
+        for name, per_key in fused.state_dict()["state"].items():
+            for key, value in per_key.items():
+                if torch.is_tensor(value):
+                    state.update(local_copies(f"{name}.{key}", value))
+        return {"embedding rows": rows, "embedding optimizer state": state}
+
 
 class PECTables(TorchRecTables):
     """TorchRec's tables, the item table's collection wrapped in ``PECEmbeddingCollection``
@@ -78,6 +115,8 @@ class PECTables(TorchRecTables):
 
 class OwnedTables:
     """FreeScale's own row-wise sharded tables (``freescale.embedding``)."""
+
+    description = "FreeScale's own tables"
 
     def check_device(self, pipeline: str, device: torch.device) -> None:
         if device.type not in ("cpu", "cuda"):
@@ -104,6 +143,12 @@ class OwnedTables:
 
     def table_side(self, cfg: ExperimentConfig, model: nn.Module) -> OwnedRows:
         return OwnedRows(model.tables)
+
+    def embedding_state(self, model: nn.Module) -> EmbeddingState:
+        """This rank's rows (every table in one kernel) and their row-wise momentum (none for SGD)."""
+        momentum = model.tables.momentum()
+        return {"embedding rows": {"weight": model.tables.weight.detach().clone()},
+                "embedding optimizer state": {"momentum": momentum.detach().clone()} if momentum is not None else {}}
 
 
 TORCHREC_TABLES = TorchRecTables()

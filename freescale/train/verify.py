@@ -1,13 +1,23 @@
-"""``freescale verify``: the prioritized pipeline against synchronous updates, bit for bit.
+"""``freescale verify``: two pipelines trained on the same data, compared bit for bit.
 
-The same data (the experiment's source, balancer and all) is trained twice on the same ranks,
-over the same module: once with ``train.pipeline: sync`` and once with ``prioritized``. After
-N steps every embedding row, the embedding optimizer's state, every dense parameter and the
-dense optimizer's state are compared on every rank, and so is each step's loss.
+The same data (the experiment's source, balancer and all) is trained twice on the same ranks:
+run A with ``train.pipeline`` A and run B with ``train.pipeline`` B, by default ``sync`` and
+``prioritized`` (FreeScale's own tables updated synchronously, and the prioritized schedule
+over the same tables). Any two pipelines of ``PIPELINES`` over the same kind of tables can be
+compared (``sparse_dist`` and ``base`` over TorchRec's). Run B may also take config overrides
+of its own, which asks whether a setting changes the numbers.
+
+After N steps (and a drain: what a pipeline still owes the tables is applied) each rank's
+state is compared: the embedding rows it holds, their fused optimizer's state, every dense
+parameter and the dense optimizer's state (the table kind says where its rows live:
+``freescale.train.tables``), and so is each step's loss. A difference is found on every rank;
+the first one reported is the earliest step whose loss differs on any rank, or else the first
+rank's first differing value of the state.
 
 It runs on the run's device (``run.device``, backend ``train.backend``; on CPU, gloo). On a GPU
 the same kernels run in the same order in both pipelines, but the verdict can be asked to hold
-within a tolerance (``--tolerance``) rather than bit for bit.
+within a tolerance (``--tolerance``) rather than bit for bit. Not under the replica layer: the
+two runs share the job's ranks, with no replica groups.
 """
 
 from __future__ import annotations
@@ -16,35 +26,186 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
+from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from freescale import distributed
 from freescale.balance.balancer import build_balancer
-from freescale.config import ExperimentConfig
+from freescale.config import ConfigError, ExperimentConfig
 from freescale.data.loader import BatchLoader
-from freescale.embedding.pipeline import build_owned_model
-from freescale.model.sharding import build_dense_optimizer
 from freescale.profile.timeline import NullTimeline
-from freescale.train.pipelines import build_pipeline
+from freescale.train.pipelines import PIPELINES
+from freescale.train.tables import OWNED_TABLES
 from freescale.train.trainer import read_inputs
+from freescale.train.training import build_training, check_device
 
-MODES = ("sync", "prioritized")
+DEFAULT_PIPELINES = ("sync", "prioritized")
+SHARED_BY_BOTH_RUNS = ("run.device", "train.backend", "run.threads")
+"""Settings of the job itself: run B cannot take another value of these."""
+
+State = dict[str, dict[str, torch.Tensor]]
+"""This rank's state by kind (embedding rows, embedding optimizer state, dense parameters,
+dense optimizer state), each a mapping of names to tensors."""
+
+
+def pipeline_pair(text: str) -> tuple[str, str]:
+    """``A,B``: two different pipelines of ``PIPELINES`` over the same kind of tables; raises a
+    ConfigError naming what is wrong otherwise."""
+    names = [name.strip() for name in text.split(",")]
+    known = ", ".join(PIPELINES)
+    if len(names) != 2 or not all(names):
+        raise ConfigError(f"--pipelines: expected two pipelines as A,B (of: {known}), got {text!r}")
+    a, b = names
+    for name in names:
+        if name not in PIPELINES:
+            raise ConfigError(f"--pipelines: unknown pipeline {name!r} (expected one of: {known})")
+    if a == b:
+        raise ConfigError(f"--pipelines: {a} twice: expected two different pipelines")
+    kind_a, kind_b = PIPELINES[a].table_kind, PIPELINES[b].table_kind
+    if kind_a is not kind_b:
+        raise ConfigError(f"--pipelines: {a} trains {kind_a.description} and {b} {kind_b.description}: "
+                          f"verify compares two pipelines over the same kind of tables")
+    return a, b
+
+
+def check_runs(a: ExperimentConfig, b: ExperimentConfig) -> None:
+    """Raise a ConfigError unless runs ``a`` and ``b`` can be compared on this job's ranks."""
+    pipeline_pair(f"{a.train.pipeline},{b.train.pipeline}")
+    for cfg in (a, b):
+        if cfg.ft.enable:
+            raise ConfigError("ft.enable: freescale verify trains both runs on the same ranks, without the replica "
+                              "layer (set ft.enable=false)")
+    for key in SHARED_BY_BOTH_RUNS:
+        section, name = key.split(".")
+        if getattr(getattr(a, section), name) != getattr(getattr(b, section), name):
+            raise ConfigError(f"{key}: both runs share the job's {', '.join(SHARED_BY_BOTH_RUNS)}; run B cannot "
+                              f"change them")
+
+
+class Difference(NamedTuple):
+    """The first thing two runs disagree on, on one rank: a step's loss, or a value of the state.
+    Values are text (Python's ``repr`` of a float is exact, so two different values never print alike)."""
+
+    rank: int
+    step: int
+    """The step whose loss differs (0: the losses agree, the state does not)."""
+    kind: str = ""
+    """The kind of state ("embedding rows", ...)."""
+    key: str = ""
+    index: int = -1
+    """The flat index of the value in the key's tensor (-1: the key is missing, or its shape or dtype differs)."""
+    a: str = ""
+    b: str = ""
+
+    def line(self, names: tuple[str, str]) -> str:
+        where = f"step {self.step}'s loss" if self.step else f"{self.kind} {self.key}" + (
+            f" [flat index {self.index}]" if self.index >= 0 else "")
+        return f"first difference: {where} on rank {self.rank}: {self.a} ({names[0]}) against {self.b} ({names[1]})"
+
+
+class Comparison(NamedTuple):
+    """One rank's comparison of two runs."""
+
+    step_diffs: list[float]
+    """Per step, the loss difference (inf where either is a NaN)."""
+    state_diffs: dict[str, float]
+    """Per kind of state, the largest absolute difference (inf: a key missing, reshaped or NaN)."""
+    first: Difference | None
+    """The first difference, None when everything is bitwise equal."""
+
+    @property
+    def equal(self) -> bool:
+        return self.first is None
+
+
+def _same_bits(a: float, b: float) -> bool:
+    """Bitwise equal and not a NaN: two runs that diverged alike prove nothing."""
+    return struct.pack("<d", a) == struct.pack("<d", b) and not math.isnan(a)
+
+
+def _differing(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
+    """Per element (flat), whether the bits differ or the value is a NaN (-0.0 is not 0.0)."""
+    size = ref.element_size()
+    ref_flat, got_flat = ref.reshape(-1), got.reshape(-1)
+    differs = (ref_flat.view(torch.uint8).reshape(-1, size) != got_flat.view(torch.uint8).reshape(-1, size)).any(dim=1)
+    return differs | ref_flat.isnan() if ref.is_floating_point() else differs
+
+
+def _value(t: torch.Tensor, index: int) -> str:
+    return repr(t.reshape(-1)[index].item())
+
+
+def _described(t: torch.Tensor | None) -> str:
+    return "absent" if t is None else f"{str(t.dtype).removeprefix('torch.')} {tuple(t.shape)}"
+
+
+def compare(ref_losses: list[float], got_losses: list[float], ref_state: State, got_state: State,
+            rank: int = 0) -> Comparison:
+    """Run B's losses and state (``got``) against run A's (``ref``), on rank ``rank``: bitwise,
+    so that a -0.0 is not 0.0, and a NaN is never equal (not even to the same NaN)."""
+    steps = [0.0 if a == b else (abs(a - b) if a == a and b == b else math.inf) for a, b in zip(ref_losses, got_losses)]
+    first = None
+    for step, (a, b) in enumerate(zip(ref_losses, got_losses), 1):
+        if not _same_bits(a, b):
+            first = Difference(rank, step, a=repr(a), b=repr(b))
+            break
+    if first is None and len(ref_losses) != len(got_losses):
+        first = Difference(rank, min(len(ref_losses), len(got_losses)) + 1, a=f"{len(ref_losses)} steps",
+                           b=f"{len(got_losses)} steps")
+    worst: dict[str, float] = {}
+    for kind in [*ref_state, *(k for k in got_state if k not in ref_state)]:
+        ref_part, got_part = ref_state.get(kind, {}), got_state.get(kind, {})
+        worst[kind] = 0.0
+        for key in [*ref_part, *(k for k in got_part if k not in ref_part)]:
+            ref, got = ref_part.get(key), got_part.get(key)
+            if ref is None or got is None or got.shape != ref.shape or got.dtype != ref.dtype:
+                worst[kind] = math.inf
+                first = first or Difference(rank, 0, kind, key, a=_described(ref), b=_described(got))
+                continue
+            if not ref.numel():
+                continue
+            worst[kind] = max(worst[kind], float((ref.double() - got.double()).abs().nan_to_num(math.inf).max()))
+            if first is None:
+                differs = _differing(ref, got).nonzero()
+                if differs.numel():
+                    i = int(differs[0])
+                    first = Difference(rank, 0, kind, key, i, _value(ref, i), _value(got, i))
+    return Comparison(steps, worst, first)
+
+
+def earliest(differences: list[Difference | None]) -> Difference | None:
+    """Of every rank's first difference: the earliest step whose loss differs (the lowest rank
+    among equals), or else the first rank's difference in the state."""
+    found = [d for d in differences if d is not None]
+    by_step = [d for d in found if d.step]
+    if by_step:
+        return min(by_step, key=lambda d: (d.step, d.rank))
+    return min(found, key=lambda d: d.rank) if found else None
 
 
 @dataclass
 class Verdict:
     steps: int
     losses: dict[str, list[float]]
-    """Per mode, each step's loss, the mean over the replica's ranks."""
+    """Per pipeline (A, then B), each step's loss, the mean over the replica's ranks."""
     step_diffs: list[float]
     """Per step, the largest loss difference on any rank."""
     state_diffs: dict[str, float] = field(default_factory=dict)
     """Per kind of state, the largest absolute difference on any rank."""
-    collision_rate: float = 0.0
+    collision_rates: dict[str, float] = field(default_factory=dict)
+    """Per pipeline that measures one (prioritized), the mean collision rate per owner and step."""
     identical: bool = False
+    first: Difference | None = None
+    """The first difference (None when identical)."""
     device: str = "cpu"
+
+    @property
+    def pipelines(self) -> tuple[str, str]:
+        a, b = self.losses
+        return a, b
 
     def within(self, tolerance: float) -> bool:
         """Bitwise identical, or every difference at most ``tolerance`` (when it is above 0)."""
@@ -54,118 +215,104 @@ class Verdict:
         return tolerance > 0 and all(d <= tolerance for d in diffs)  # a NaN or an inf is never within
 
 
-def snapshot(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's state by kind: embedding rows, their optimizer state, dense parameters, dense optimizer state."""
-    tables = model.tables
-    momentum = tables.momentum()
+def snapshot(model, optimizer, tables=OWNED_TABLES) -> State:
+    """This rank's state by kind: embedding rows and their optimizer's state (where ``tables``,
+    the table kind, keeps them), dense parameters, dense optimizer state (by parameter name)."""
+    dense = in_backward_optimizer_filter(tables.dense_module(model).named_parameters())
     dense_opt = {}
-    for name, state in optimizer.state.items():
+    for name, state in tables.dense_optimizer(optimizer).state_dict()["state"].items():
         for key, value in state.items():
             if torch.is_tensor(value):
                 dense_opt[f"{name}.{key}"] = value.detach().clone()
     return {
-        "embedding rows": {"weight": tables.weight.detach().clone()},
-        "embedding optimizer state": {"momentum": momentum.detach().clone()} if momentum is not None else {},
-        "dense parameters": {k: v.detach().clone() for k, v in model.task.state_dict().items()},
+        **tables.embedding_state(model),
+        "dense parameters": {name: p.detach().clone() for name, p in dense},
         "dense optimizer state": dense_opt,
     }
 
 
-def _run(cfg: ExperimentConfig, mode: str, steps: int, topo, inputs, log, device: torch.device
-         ) -> tuple[list[float], dict, list[float]]:
+class Run(NamedTuple):
+    losses: list[float]
+    state: State
+    collision_rates: list[float]
+
+
+def _run(cfg: ExperimentConfig, steps: int, topo, inputs, log, device: torch.device) -> Run:
+    name = cfg.train.pipeline
     torch.manual_seed(cfg.run.seed)
     loader = BatchLoader(inputs.train_source, batch_size=cfg.data.batch_size, rank=topo.rank,
                          world_size=topo.world_size, user_hash_size=cfg.model.user_hash_size)
     balancer = build_balancer(cfg.balance, cfg.transport, inputs.cost_model, group=topo.pg,
                               user_hash_size=cfg.model.user_hash_size)
-    model = build_owned_model(cfg, num_items=inputs.train_source.num_items, max_uih_len=cfg.data.max_uih_len,
-                              topology=topo, seed=cfg.run.seed, device=device,
+    training = build_training(cfg, num_items=inputs.train_source.num_items, topology=topo, device=device,
                               side_layout=inputs.train_source.side_layout)
-    optimizer = build_dense_optimizer(model.task, cfg.train)
-    pipeline = build_pipeline(mode, model, optimizer, device, NullTimeline(), group=topo.pg,
-                              transport_cfg=cfg.transport)
+    pipeline = training.build_pipeline(device, NullTimeline(), group=topo.pg, replica=None)
     try:
         batches = balancer.batches(loader.iter_samples())
         losses = []
         for step in range(1, steps + 1):
             losses.append(pipeline.progress(batches).loss.item())
             if topo.is_main and (step % max(1, steps // 4) == 0 or step == steps):
-                log(f"{mode}: step {step}/{steps}")
-        pipeline.drain()
-        return losses, snapshot(model, optimizer), getattr(pipeline.inner, "collision_rates", [])
+                log(f"{name}: step {step}/{steps}")
+        pipeline.drain()  # what the pipeline still owes the tables, applied before they are read
+        state = snapshot(training.model, training.optimizer, training.pipeline_class.table_kind)
+        return Run(losses, state, list(getattr(pipeline.inner, "collision_rates", [])))
     finally:
         pipeline.close()
         balancer.close()
 
 
-def compare(ref_losses: list[float], got_losses: list[float], ref_state: dict, got_state: dict
-            ) -> tuple[list[float], dict[str, float], bool]:
-    """This rank's comparison: per-step loss differences, the largest difference per kind of
-    state, and whether everything is bitwise equal (a -0.0 is not 0.0; a NaN is never equal:
-    two runs that diverged alike prove nothing)."""
-    steps = [0.0 if a == b else (abs(a - b) if a == a and b == b else math.inf)
-             for a, b in zip(ref_losses, got_losses)]
-    equal = len(ref_losses) == len(got_losses) and all(
-        struct.pack("<d", a) == struct.pack("<d", b) and not math.isnan(a) for a, b in zip(ref_losses, got_losses))
-    worst: dict[str, float] = {}
-    for kind, ref_part in ref_state.items():
-        got_part = got_state[kind]
-        if ref_part.keys() != got_part.keys():
-            equal = False
-        worst[kind] = 0.0
-        for key, ref in ref_part.items():
-            got = got_part.get(key)
-            if got is None or got.shape != ref.shape or got.dtype != ref.dtype:
-                equal, worst[kind] = False, math.inf
-                continue
-            # Bitwise: compare the bits, so that NaNs and signed zeros count.
-            equal &= torch.equal(ref.reshape(-1).view(torch.uint8), got.reshape(-1).view(torch.uint8))
-            equal &= not (ref.is_floating_point() and bool(ref.isnan().any()))
-            if ref.numel():
-                worst[kind] = max(worst[kind], float((ref.double() - got.double()).abs().nan_to_num(math.inf).max()))
-    return steps, worst, equal
+def verify(a: ExperimentConfig, b: ExperimentConfig, steps: int, log=print) -> Verdict:
+    """Train run ``a`` and run ``b`` (each its config's ``train.pipeline``) on this job's ranks;
+    every rank returns the same verdict."""
+    check_runs(a, b)
+    device = distributed.resolve_device(a.run.device, int(os.environ.get("LOCAL_RANK", 0)))
+    for cfg in (a, b):
+        check_device(cfg, device)
+    topo = distributed.init_distributed(device, a.train.backend)
+    distributed.set_threads(a.run.threads, topo.local_world_size)
+    inputs = [read_inputs(cfg) for cfg in (a, b)]  # (bad input in either fails before any training)
+    ref, got = [_run(cfg, steps, topo, cfg_inputs, log, device) for cfg, cfg_inputs in zip((a, b), inputs)]
+    names = (a.train.pipeline, b.train.pipeline)
 
-
-def verify(cfg: ExperimentConfig, steps: int, log=print) -> Verdict:
-    """Train both ways on this job's ranks; every rank returns the same verdict."""
-    device = distributed.resolve_device(cfg.run.device, int(os.environ.get("LOCAL_RANK", 0)))
-    topo = distributed.init_distributed(device, cfg.train.backend)
-    distributed.set_threads(cfg.run.threads, topo.local_world_size)
-    inputs = read_inputs(cfg)
-    runs = {mode: _run(cfg, mode, steps, topo, inputs, log, device) for mode in MODES}
     # The verdict's collectives carry host tensors (every group has a CPU backend: group_backend).
-    (ref_losses, ref_state, _), (got_losses, got_state, rates) = runs["sync"], runs["prioritized"]
-
-    local, state_diffs, equal = compare(ref_losses, got_losses, ref_state, got_state)
-    kinds = list(state_diffs)
-    diffs = [state_diffs[k] for k in kinds]
-    verdict = torch.cat([torch.tensor(local, dtype=torch.float64), torch.tensor(diffs, dtype=torch.float64),
-                         torch.tensor([0.0 if equal else 1.0], dtype=torch.float64)])
-    dist.all_reduce(verdict, op=dist.ReduceOp.MAX, group=topo.pg)
-    sums = torch.tensor([ref_losses, got_losses], dtype=torch.float64)
-    dist.all_reduce(sums, group=topo.pg)
-    sums /= topo.world_size
-    rate = torch.tensor([sum(rates), float(len(rates))], dtype=torch.float64)
-    dist.all_reduce(rate, group=topo.pg)
-    n = len(ref_losses)
+    mine = compare(ref.losses, got.losses, ref.state, got.state, rank=topo.rank)
+    kinds = list(mine.state_diffs)
+    worst = torch.tensor([*mine.step_diffs, *(mine.state_diffs[k] for k in kinds)], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX, group=topo.pg)
+    first = earliest(distributed.all_gather_object(mine.first, topo.pg))
+    means = torch.tensor([ref.losses, got.losses], dtype=torch.float64)
+    dist.all_reduce(means, group=topo.pg)
+    means /= topo.world_size
+    rates = torch.tensor([[sum(r.collision_rates), float(len(r.collision_rates))] for r in (ref, got)],
+                         dtype=torch.float64)
+    dist.all_reduce(rates, group=topo.pg)
+    n = len(mine.step_diffs)
     return Verdict(
         steps=steps,
-        losses={"sync": sums[0].tolist(), "prioritized": sums[1].tolist()},
-        step_diffs=verdict[:n].tolist(),
-        state_diffs=dict(zip(kinds, verdict[n:n + len(kinds)].tolist())),
-        collision_rate=float(rate[0] / rate[1]) if rate[1] else math.nan,
-        identical=bool(verdict[-1] == 0.0),
+        losses={names[0]: means[0].tolist(), names[1]: means[1].tolist()},
+        step_diffs=worst[:n].tolist(),
+        state_diffs=dict(zip(kinds, worst[n:].tolist())),
+        collision_rates={name: float(total / count) for name, (total, count) in zip(names, rates.tolist()) if count},
+        identical=first is None,
+        first=first,
         device=device.type,
     )
 
 
 def print_verdict(v: Verdict, tolerance: float = 0.0) -> None:
-    print(f"{'step':>5} {'loss (sync)':>14} {'loss (prioritized)':>19} {'max |diff|':>11}")
-    for i, (a, b, d) in enumerate(zip(v.losses["sync"], v.losses["prioritized"], v.step_diffs), 1):
-        print(f"{i:>5} {a:>14.8f} {b:>19.8f} {d:>11.3g}")
-    print(f"mean collision rate (per owner, per step): {100 * v.collision_rate:.1f}%")
+    a, b = v.pipelines
+    heads = (f"loss ({a})", f"loss ({b})")
+    widths = [max(14, len(h)) for h in heads]
+    print(f"{'step':>5} {heads[0]:>{widths[0]}} {heads[1]:>{widths[1]}} {'max |diff|':>11}")
+    for i, (x, y, d) in enumerate(zip(v.losses[a], v.losses[b], v.step_diffs), 1):
+        print(f"{i:>5} {x:>{widths[0]}.8f} {y:>{widths[1]}.8f} {d:>11.3g}")
+    for name, rate in v.collision_rates.items():
+        print(f"mean collision rate of {name} (per owner, per step): {100 * rate:.1f}%")
     for kind, d in v.state_diffs.items():
         print(f"{kind + ':':<28} max |diff| {d:.3g}")
     print(f"on {v.device}: " + ("bitwise identical" if v.identical else "NOT bitwise identical"))
+    if v.first is not None:
+        print(v.first.line(v.pipelines))
     if tolerance > 0 and not v.identical:
         print(f"within {tolerance:g}" if v.within(tolerance) else f"NOT within {tolerance:g}")

@@ -20,6 +20,17 @@ from helpers.launch import QUICKSTART, freescale
         (["train", "--config", str(QUICKSTART), "--faults", "{at_step: 3}"], "faults: expected a list of sections"),
         (["verify", "--config", str(QUICKSTART), "--tolerance=-1"], "--tolerance: expected a number at least 0"),
         (["verify", "--config", str(QUICKSTART), "--tolerance=nan"], "--tolerance: expected a number at least 0"),
+        (["verify", "--config", str(QUICKSTART), "--pipelines=sync"], "--pipelines: expected two pipelines as A,B"),
+        (["verify", "--config", str(QUICKSTART), "--pipelines=sync,nope"], "--pipelines: unknown pipeline 'nope'"),
+        (["verify", "--config", str(QUICKSTART), "--pipelines=base,base"], "--pipelines: base twice"),
+        (["verify", "--config", str(QUICKSTART), "--pipelines=sync,base"],
+         "verify compares two pipelines over the same kind of tables"),
+        (["verify", "--config", str(QUICKSTART), "--ft.enable=true"],
+         "ft.enable: freescale verify trains both runs on the same ranks, without the replica layer"),
+        (["verify", "--config", str(QUICKSTART), "--set-b", "train.pipeline=base"],
+         "train.pipeline: freescale verify trains the two pipelines of --pipelines"),
+        (["verify", "--config", str(QUICKSTART), "--set-b", "run.device=cpu", "--run.device=auto"],
+         "run.device: both runs share the job's"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(args, fragment):
