@@ -30,6 +30,12 @@ all-to-all of flags on the high lane). Step i:
    zeroed: it is applied as it comes);
 8. the dense optimizer steps. Nothing waits for batch i+1's rows here: the wait is at 2.
 
+On a transport of one lane (``transport.lanes: 1``) the schedule is the same, in the same
+order, with every exchange on that lane: what the high lane would carry queues behind the
+normal exchanges issued before it (at 6., batch i+1's exclusive rows and batch i+2's ids)
+instead of passing them. Every rank issues the same exchanges in the same order, so they pair
+up; the numerics do not change.
+
 Every row is updated by the same fused-optimizer arithmetic over the same gradients in the
 same order as in ``sync``, and read only after every update before it: the numerics are
 identical. The pipeline drains (``drain``: applies the deferred gradients) before evaluation,
@@ -253,6 +259,10 @@ class OwnedTablesPipeline:
         self.streams = Streams(self.device)
         self.side = self.streams.side()
         self.dense_params = [p for p in model.task.parameters() if p.requires_grad]
+        # The lane of the exchanges that go first (the collision rows' and the flags): the high
+        # lane where the transport has one; on a transport of one lane every exchange queues in
+        # the order issued, which is the same on every rank.
+        self.high = HIGH if transport.lanes > HIGH else NORMAL
         # The replica layer: each step is voted on; a batch whose step did not commit (or that
         # a group catching up did not train) is trained again.
         self.replica = replica if replica is not None else NullReplica()
@@ -439,7 +449,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         hot = cur.sent_collide
         collision = self.transport.all_to_all_single(
             sent.index_select(0, self._at(hot)), _per_owner(route, hot), _per_rank(route.recv_counts, cur.owned_collide),
-            lane=HIGH)
+            lane=self.high)
         if replica.enabled:
             deferred = self._send_deferred(cur, sent)
             with self.timeline.span("collision_wait"):
@@ -507,7 +517,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         flags = torch.cat([torch.cat([cur_parts[r], nxt_parts[r]]) for r in range(W)]).to(torch.uint8)
         back = [cur_route.send_counts[r] + nxt_route.send_counts[r] for r in range(W)]
         ins = [cur_route.recv_counts[r] + nxt_route.recv_counts[r] for r in range(W)]
-        return self.transport.all_to_all_single(flags, ins, back, lane=HIGH)
+        return self.transport.all_to_all_single(flags, ins, back, lane=self.high)
 
     def _take_flags(self, cur: _Staged, nxt: _Staged, handle) -> None:
         """Which of this rank's ids of batch i and i+1 (owner-major) are collision rows."""
@@ -543,7 +553,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         # On the side stream, after batch i's update (on the compute stream):
         with self.streams.on(self.side), self.timeline.device_span("collision_send", self.side):
             rows = self.tables.lookup(self._on_device(_take(nxt.route.ids, hot)))
-            nxt.collision = self.transport.all_to_all_single(rows, ins, outs, lane=HIGH)
+            nxt.collision = self.transport.all_to_all_single(rows, ins, outs, lane=self.high)
 
     def _rows(self, staged: _Staged) -> torch.Tensor:
         """The batch's rows in batch order: the exclusive and the collision rows, waited for now."""
