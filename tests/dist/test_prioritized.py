@@ -97,9 +97,11 @@ class RecordingTimeline(NullTimeline):
             self.log.append(("close", kind))
 
 
-def _train(mode, rank, world, transport_kind, log=None, steps=None, device="cpu"):
+def _train(mode, rank, world, transport_kind, log=None, steps=None, device="cpu", lanes=2):
     model, optimizer, pipeline = build(mode, rank, world, transport_kind,
-                                       NullTimeline() if log is None else RecordingTimeline(log), device=device)
+                                       NullTimeline() if log is None else RecordingTimeline(log), device=device,
+                                       overrides=[f"--transport.lanes={lanes}"])
+    assert pipeline.transport.lanes == lanes  # (the pipeline built its transport as the config says)
     if log is not None:
         # Streams as on a GPU: the side-stream exchanges and their hand-overs are logged.
         recorder = RecordingStreams(log)
@@ -122,9 +124,9 @@ def _train(mode, rank, world, transport_kind, log=None, steps=None, device="cpu"
     return losses, state, rates
 
 
-def _bitwise(rank, world, transport_kind):
+def _bitwise(rank, world, transport_kind, lanes=2):
     ref_losses, ref, _ = _train("sync", rank, world, transport_kind)
-    losses, got, rates = _train("prioritized", rank, world, transport_kind)
+    losses, got, rates = _train("prioritized", rank, world, transport_kind, lanes=lanes)
     assert len(losses) == len(ref_losses) == 26
     assert losses == ref_losses
     for kind in ref:
@@ -143,6 +145,12 @@ def _bitwise(rank, world, transport_kind):
 @pytest.mark.parametrize("transport_kind", ["torch_dist", "host_staged"])
 def test_prioritized_training_is_bitwise_equal_to_synchronous_updates(transport_kind):
     run_ranks(2, _bitwise, transport_kind)
+
+
+@pytest.mark.parametrize("transport_kind", ["torch_dist", "host_staged"])
+def test_prioritized_training_on_one_lane_is_bitwise_equal_to_synchronous_updates(transport_kind):
+    # transport.lanes 1: the collision rows' exchanges queue behind the others instead of passing them.
+    run_ranks(2, _bitwise, transport_kind, 1)
 
 
 CUDA_TOLERANCE = 1e-5  # losses and state, sync against prioritized on the GPU
@@ -221,6 +229,30 @@ def _schedule(rank, world):
 
 def test_each_row_goes_once_and_the_exclusive_rows_are_waited_for_at_the_next_forward():
     run_ranks(2, _schedule)
+
+
+def _without_lanes(entry):
+    """A log entry with the lane of the exchange it names left out."""
+    if entry[0] == "a2a":
+        return ("a2a", *entry[2:])
+    if entry[0] == "wait":
+        return ("wait", _without_lanes(entry[1]))
+    return entry
+
+
+def _one_lane(rank, world):
+    two, one = [], []
+    _train("prioritized", rank, world, "torch_dist", log=two, steps=12)
+    _train("prioritized", rank, world, "torch_dist", log=one, steps=12, lanes=1)
+    assert HIGH in {e[1] for e in two if e[0] == "a2a"}
+    # Nothing asks for a lane the transport does not have, and the schedule is the same: the
+    # same exchanges, waits, spans and stream hand-overs in the same order.
+    assert {e[1] for e in one if e[0] == "a2a"} == {NORMAL}
+    assert [_without_lanes(e) for e in one] == [_without_lanes(e) for e in two]
+
+
+def test_on_one_lane_the_schedule_is_the_same_with_every_exchange_on_lane_0():
+    run_ranks(2, _one_lane)
 
 
 def test_verify_cli_is_bitwise_with_the_balancer_on(tmp_path):
