@@ -52,8 +52,11 @@ vote, and sends batch i+1's collision rows once the update is in.
 On CPU the exchanges run in the transport's threads (gloo's, or the ``host_staged`` proxy)
 while this rank's main thread computes; the timeline marks the waits: ``id_wait``,
 ``flags_wait``, ``exclusive_wait`` (a batch's rows, inside its forward at their first read; and
-deferred gradients) and ``collision_wait``, and records each step's collision rate. On a GPU
-the tables live in device memory and the exchanges that are not waited for at once (batch
+deferred gradients) and ``collision_wait``, and records each step's collision rate and the bytes
+of its exchanges between ranks: the trained batch's ids, rows and gradients
+(``exchange_bytes``, both pipelines) and the collision exchange (``collision_bytes``,
+``prioritized``), from which ``freescale.profile.comm_bound`` bounds the exposed communication
+on a link. On a GPU the tables live in device memory and the exchanges that are not waited for at once (batch
 i+1's exclusive and collision rows, batch i's deferred gradients: their lookups and sends) are
 issued on a side stream (``freescale.device.Streams``): it waits for the compute stream first,
 and the compute stream waits for it before reading what came back; ``drain`` leaves the compute
@@ -263,6 +266,7 @@ class OwnedTablesPipeline:
         # lane where the transport has one; on a transport of one lane every exchange queues in
         # the order issued, which is the same on every rank.
         self.high = HIGH if transport.lanes > HIGH else NORMAL
+        self.row_bytes = self.tables.dim * self.tables.weight.element_size()  # a row, or its gradient
         # The replica layer: each step is voted on; a batch whose step did not commit (or that
         # a group catching up did not train) is trained again.
         self.replica = replica if replica is not None else NullReplica()
@@ -333,6 +337,22 @@ class OwnedTablesPipeline:
     def _on_device(self, host: torch.Tensor) -> torch.Tensor:
         return to_device(host, self.device)
 
+    def _note_exchange(self, staged: _Staged) -> None:
+        """The bytes the batch's embedding exchange puts on the wire between this rank and the
+        others, on the step's record (``exchange_bytes``): for each id this rank sends another
+        rank, the id, its row coming back and its gradient going out. Summed over the ranks this
+        is every byte of the batch's ids, rows and gradients that crosses between ranks (the rows
+        an owner sends are the ids the others sent it), so its mean is one rank's share of it,
+        whichever schedule moves them (what a schedule adds of its own, flags or zeroed rows, is
+        not counted)."""
+        counts = staged.pending.send_counts
+        remote = sum(counts) - counts[self.tables.rank]
+        self.timeline.note("exchange_bytes", remote * (staged.pending.local_sorted.element_size() + 2 * self.row_bytes))
+
+    def _remote(self, staged: _Staged, mask: torch.Tensor) -> int:
+        """How many of this rank's ids of ``staged`` (owner-major) that host ``mask`` keeps another rank owns."""
+        return int((mask & (staged.route.owners != self.tables.rank)).sum())
+
     def _at(self, mask: torch.Tensor) -> torch.Tensor:
         """The positions host ``mask`` selects, on the device (a mask applied on the device would
         make the host wait to learn how many there are)."""
@@ -362,6 +382,7 @@ class SyncEmbeddingPipeline(OwnedTablesPipeline):
         replica = self.replica
         replica.begin()
         staged = self._stage(batch)
+        self._note_exchange(staged)
         rows = self._lookup_all(staged, track=not replica.enabled)
         loss, out, grads = self._forward_backward(staged.batch, rows)
         dense = self._reduce_dense()
@@ -399,6 +420,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
             raise StopIteration
         cur, nxt, tables, replica = self._cur, self._next, self.tables, self.replica
         replica.begin()
+        self._note_exchange(cur)
         # The batch after next: its id exchange starts now and ends during this step (a step
         # trained again keeps the one it staged).
         if self._replay_after is not None:
@@ -528,6 +550,11 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         parts = torch.split(got, [sent[r] + nxt.route.send_counts[r] for r in range(W)])
         cur.sent_collide = torch.cat([parts[r][:sent[r]] for r in range(W)])
         nxt.sent_collide = torch.cat([parts[r][sent[r]:] for r in range(W)])
+        # This step's collision exchange, what must cross between batch i's backward and batch
+        # i+1's forward: batch i's gradients of the rows batch i+1 reads, then those rows to
+        # batch i+1's readers (averaged over the ranks, one rank's share, as exchange_bytes).
+        remote = self._remote(cur, cur.sent_collide) + self._remote(nxt, nxt.sent_collide)
+        self.timeline.note("collision_bytes", remote * self.row_bytes)
 
     def _send_exclusive_rows(self, nxt: _Staged) -> None:
         """Batch i+1's exclusive rows, looked up now, to their readers (normal lane); the lookup
