@@ -296,6 +296,8 @@ class TransportConfig:
     """host_staged: how long a waiting proxy polls for its peers before it sleeps (0 = sleep at once)."""
     timeout_s: Annotated[float, Range(min=0.1)] = 60.0
     """host_staged: a collective with no progress for this long fails (a dead peer fails at once)."""
+    lanes: Annotated[int, Range(min=1, max=2)] = 2
+    """Lanes of the transport of train.pipeline sync and prioritized: 2 = a high-priority lane that the collision rows' exchanges take past the rest; 1 = every exchange on one lane, in the order issued."""
 
 
 @dataclass

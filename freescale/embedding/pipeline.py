@@ -30,6 +30,12 @@ all-to-all of flags on the high lane). Step i:
    zeroed: it is applied as it comes);
 8. the dense optimizer steps. Nothing waits for batch i+1's rows here: the wait is at 2.
 
+On a transport of one lane (``transport.lanes: 1``) the schedule is the same, in the same
+order, with every exchange on that lane: what the high lane would carry queues behind the
+normal exchanges issued before it (at 6., batch i+1's exclusive rows and batch i+2's ids)
+instead of passing them. Every rank issues the same exchanges in the same order, so they pair
+up; the numerics do not change.
+
 Every row is updated by the same fused-optimizer arithmetic over the same gradients in the
 same order as in ``sync``, and read only after every update before it: the numerics are
 identical. The pipeline drains (``drain``: applies the deferred gradients) before evaluation,
@@ -46,8 +52,11 @@ vote, and sends batch i+1's collision rows once the update is in.
 On CPU the exchanges run in the transport's threads (gloo's, or the ``host_staged`` proxy)
 while this rank's main thread computes; the timeline marks the waits: ``id_wait``,
 ``flags_wait``, ``exclusive_wait`` (a batch's rows, inside its forward at their first read; and
-deferred gradients) and ``collision_wait``, and records each step's collision rate. On a GPU
-the tables live in device memory and the exchanges that are not waited for at once (batch
+deferred gradients) and ``collision_wait``, and records each step's collision rate and the bytes
+of its exchanges between ranks: the trained batch's ids, rows and gradients
+(``exchange_bytes``, both pipelines) and the collision exchange (``collision_bytes``,
+``prioritized``), from which ``freescale.profile.comm_bound`` bounds the exposed communication
+on a link. On a GPU the tables live in device memory and the exchanges that are not waited for at once (batch
 i+1's exclusive and collision rows, batch i's deferred gradients: their lookups and sends) are
 issued on a side stream (``freescale.device.Streams``): it waits for the compute stream first,
 and the compute stream waits for it before reading what came back; ``drain`` leaves the compute
@@ -253,6 +262,11 @@ class OwnedTablesPipeline:
         self.streams = Streams(self.device)
         self.side = self.streams.side()
         self.dense_params = [p for p in model.task.parameters() if p.requires_grad]
+        # The lane of the exchanges that go first (the collision rows' and the flags): the high
+        # lane where the transport has one; on a transport of one lane every exchange queues in
+        # the order issued, which is the same on every rank.
+        self.high = HIGH if transport.lanes > HIGH else NORMAL
+        self.row_bytes = self.tables.dim * self.tables.weight.element_size()  # a row, or its gradient
         # The replica layer: each step is voted on; a batch whose step did not commit (or that
         # a group catching up did not train) is trained again.
         self.replica = replica if replica is not None else NullReplica()
@@ -323,6 +337,22 @@ class OwnedTablesPipeline:
     def _on_device(self, host: torch.Tensor) -> torch.Tensor:
         return to_device(host, self.device)
 
+    def _note_exchange(self, staged: _Staged) -> None:
+        """The bytes the batch's embedding exchange puts on the wire between this rank and the
+        others, on the step's record (``exchange_bytes``): for each id this rank sends another
+        rank, the id, its row coming back and its gradient going out. Summed over the ranks this
+        is every byte of the batch's ids, rows and gradients that crosses between ranks (the rows
+        an owner sends are the ids the others sent it), so its mean is one rank's share of it,
+        whichever schedule moves them (what a schedule adds of its own, flags or zeroed rows, is
+        not counted)."""
+        counts = staged.pending.send_counts
+        remote = sum(counts) - counts[self.tables.rank]
+        self.timeline.note("exchange_bytes", remote * (staged.pending.local_sorted.element_size() + 2 * self.row_bytes))
+
+    def _remote(self, staged: _Staged, mask: torch.Tensor) -> int:
+        """How many of this rank's ids of ``staged`` (owner-major) that host ``mask`` keeps another rank owns."""
+        return int((mask & (staged.route.owners != self.tables.rank)).sum())
+
     def _at(self, mask: torch.Tensor) -> torch.Tensor:
         """The positions host ``mask`` selects, on the device (a mask applied on the device would
         make the host wait to learn how many there are)."""
@@ -352,6 +382,7 @@ class SyncEmbeddingPipeline(OwnedTablesPipeline):
         replica = self.replica
         replica.begin()
         staged = self._stage(batch)
+        self._note_exchange(staged)
         rows = self._lookup_all(staged, track=not replica.enabled)
         loss, out, grads = self._forward_backward(staged.batch, rows)
         dense = self._reduce_dense()
@@ -389,6 +420,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
             raise StopIteration
         cur, nxt, tables, replica = self._cur, self._next, self.tables, self.replica
         replica.begin()
+        self._note_exchange(cur)
         # The batch after next: its id exchange starts now and ends during this step (a step
         # trained again keeps the one it staged).
         if self._replay_after is not None:
@@ -439,7 +471,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         hot = cur.sent_collide
         collision = self.transport.all_to_all_single(
             sent.index_select(0, self._at(hot)), _per_owner(route, hot), _per_rank(route.recv_counts, cur.owned_collide),
-            lane=HIGH)
+            lane=self.high)
         if replica.enabled:
             deferred = self._send_deferred(cur, sent)
             with self.timeline.span("collision_wait"):
@@ -507,7 +539,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         flags = torch.cat([torch.cat([cur_parts[r], nxt_parts[r]]) for r in range(W)]).to(torch.uint8)
         back = [cur_route.send_counts[r] + nxt_route.send_counts[r] for r in range(W)]
         ins = [cur_route.recv_counts[r] + nxt_route.recv_counts[r] for r in range(W)]
-        return self.transport.all_to_all_single(flags, ins, back, lane=HIGH)
+        return self.transport.all_to_all_single(flags, ins, back, lane=self.high)
 
     def _take_flags(self, cur: _Staged, nxt: _Staged, handle) -> None:
         """Which of this rank's ids of batch i and i+1 (owner-major) are collision rows."""
@@ -518,6 +550,11 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         parts = torch.split(got, [sent[r] + nxt.route.send_counts[r] for r in range(W)])
         cur.sent_collide = torch.cat([parts[r][:sent[r]] for r in range(W)])
         nxt.sent_collide = torch.cat([parts[r][sent[r]:] for r in range(W)])
+        # This step's collision exchange, what must cross between batch i's backward and batch
+        # i+1's forward: batch i's gradients of the rows batch i+1 reads, then those rows to
+        # batch i+1's readers (averaged over the ranks, one rank's share, as exchange_bytes).
+        remote = self._remote(cur, cur.sent_collide) + self._remote(nxt, nxt.sent_collide)
+        self.timeline.note("collision_bytes", remote * self.row_bytes)
 
     def _send_exclusive_rows(self, nxt: _Staged) -> None:
         """Batch i+1's exclusive rows, looked up now, to their readers (normal lane); the lookup
@@ -543,7 +580,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         # On the side stream, after batch i's update (on the compute stream):
         with self.streams.on(self.side), self.timeline.device_span("collision_send", self.side):
             rows = self.tables.lookup(self._on_device(_take(nxt.route.ids, hot)))
-            nxt.collision = self.transport.all_to_all_single(rows, ins, outs, lane=HIGH)
+            nxt.collision = self.transport.all_to_all_single(rows, ins, outs, lane=self.high)
 
     def _rows(self, staged: _Staged) -> torch.Tensor:
         """The batch's rows in batch order: the exclusive and the collision rows, waited for now."""

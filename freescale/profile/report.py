@@ -91,18 +91,26 @@ def write_report(run_dir: str, *, warmup_steps: int | None = None, gantt_steps: 
 _WAITS = ("collision_wait", "exclusive_wait", "flags_wait", "id_wait")
 
 
+_EXCHANGE_BYTES = ("exchange_bytes", "collision_bytes")
+
+
 def _embedding_measures(steps: dict[int, list[dict]], summary: dict) -> dict:
-    """Collision rate and the embedding pipelines' waits over the summarized steps (runs of the
-    pipelines over FreeScale's own tables; nothing for the others)."""
+    """Over the summarized steps, from the pipelines over FreeScale's own tables (nothing for the
+    others): the collision rate and the waits (``prioritized``), and the bytes a rank's step
+    exchanges with the others, mean over ranks and steps (``exchange_bytes_per_step``, both;
+    ``collision_bytes_per_step``, ``prioritized``)."""
     first, last = summary["first_step"], summary["last_step"]
     records = [rec for recs in steps.values() for rec in recs if first <= rec["step"] <= last]
-    if not any("read_rows" in rec for rec in records):
-        return {}
-    read = sum(rec.get("read_rows", 0) for rec in records)
-    out = {"collision_rate": round(sum(rec.get("collision_rows", 0) for rec in records) / read, 6) if read else 0.0}
-    for kind in _WAITS:
-        total = sum(t1 - t0 for rec in records for k, t0, t1 in rec["spans"] if k == kind)
-        out[f"{kind}_ms_per_step"] = round(1000.0 * total / len(records), 3)
+    out = {}
+    if any("read_rows" in rec for rec in records):
+        read = sum(rec.get("read_rows", 0) for rec in records)
+        out["collision_rate"] = round(sum(rec.get("collision_rows", 0) for rec in records) / read, 6) if read else 0.0
+        for kind in _WAITS:
+            total = sum(t1 - t0 for rec in records for k, t0, t1 in rec["spans"] if k == kind)
+            out[f"{kind}_ms_per_step"] = round(1000.0 * total / len(records), 3)
+    for key in _EXCHANGE_BYTES:
+        if any(key in rec for rec in records):
+            out[f"{key}_per_step"] = round(sum(rec.get(key, 0) for rec in records) / len(records), 1)
     return out
 
 
@@ -266,6 +274,8 @@ _SUMMARY_LABELS = {
     "collision_rate": "collision rate (rows batch i+1 reads that batch i writes)",
     "collision_wait_ms_per_step": "collision rows and gradients wait (ms/step)",
     "exclusive_wait_ms_per_step": "exclusive rows and deferred gradients wait (ms/step)",
+    "exchange_bytes_per_step": "embedding exchange with the other ranks (bytes/step per rank: ids, rows, gradients)",
+    "collision_bytes_per_step": "of which the collision rows' gradients and rows (bytes/step per rank)",
     "train_flop_per_sample": "training FLOPs per sample (forward + backward, model FLOPs)",
     "model_tflops": "model TFLOP/s (all ranks)",
     "peak_tflops_per_rank": "measured matmul peak (TFLOP/s per rank)",

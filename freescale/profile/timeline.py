@@ -17,7 +17,9 @@ span's wall time beyond it is waiting inside that phase):
 - ``injected_delay``: straggler injection, inside forward;
 - ``id_wait``, ``flags_wait``, ``exclusive_wait``, ``collision_wait``: the waits of the
   pipelines over FreeScale's own tables (``freescale.embedding.pipeline``), which also note
-  each step's ``collision_rows`` and ``read_rows`` (summed over the rank's owned rows);
+  each step's ``collision_rows`` and ``read_rows`` (summed over the rank's owned rows) and the
+  bytes of its exchanges with the other ranks (``exchange_bytes``: the trained batch's ids,
+  rows and gradients; ``collision_bytes``: the collision rows' gradients and rows);
 - ``vote``: under the replica layer, those pipelines' exchanges across the replica groups,
   the commit vote and the update after it (TorchRec's pipeline has them inside ``optimizer``).
 

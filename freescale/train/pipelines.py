@@ -300,7 +300,7 @@ class _OwnedTablesPipeline:
         from freescale.embedding.pipeline import PIPELINES as SCHEDULES
         from freescale.transport.registry import build_transport, group_for
 
-        transport = build_transport(transport_cfg, group_for(transport_cfg.kind, group), lanes=2)
+        transport = build_transport(transport_cfg, group_for(transport_cfg.kind, group), lanes=transport_cfg.lanes)
         return cls(SCHEDULES[cls.schedule](model, optimizer, transport, group, timeline, replica=replica), transport)
 
     def progress(self, batches: Iterator[Batch]) -> StepOutput:

@@ -9,7 +9,9 @@ transport was aborted or closed).
 Collectives run per *lane* in the order they are issued, the same order on every rank; a
 transport built with two lanes (``lanes=2``) lets a ``HIGH`` collective pass the ``NORMAL``
 ones already queued or in flight (``torch_dist``: one process group per lane; ``host_staged``:
-a queue and rings per lane, stepped by one proxy, the high lane first).
+a queue and rings per lane, stepped by one proxy, the high lane first). A transport says how
+many it has (``lanes``); one built with one lane refuses ``HIGH``, so a caller that can run
+without priority asks for ``NORMAL`` there instead.
 
 Splits and sizes count rows along dimension 0; every rank must pass the same ``sizes`` to
 ``all_gather`` and matching splits to ``all_to_all_single`` (rank i's input split j is rank
@@ -60,6 +62,8 @@ class Handle(Protocol):
 class Transport(Protocol):
     rank: int
     world_size: int
+    lanes: int
+    """How many lanes it was built with (``NORMAL`` up to ``lanes - 1``)."""
 
     def all_to_all_single(self, tensor: torch.Tensor, input_splits: Sequence[int],
                           output_splits: Sequence[int], lane: int = NORMAL) -> Handle: ...
@@ -102,6 +106,13 @@ def check_all_gather(name: str, rank: int, world_size: int, tensor, sizes) -> tu
     if sizes[rank] != tensor.shape[0]:
         raise _error(op, f"sizes[{rank}] = {sizes[rank]} but the tensor has {tensor.shape[0]} rows")
     return tensor, sizes
+
+
+def check_lanes(name: str, lanes: int) -> int:
+    """``lanes`` if a transport can be built with that many, else ``ValueError``."""
+    if lanes < 1:
+        raise ValueError(f"{name}: expected at least one lane, got lanes={lanes}")
+    return lanes
 
 
 def check_lane(name: str, lane: int, lanes: int) -> int:

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from freescale.distributed import new_group_like
 from freescale.errors import first_line
-from freescale.transport.base import NORMAL, TransportError, check_all_gather, check_all_to_all, check_lane
+from freescale.transport.base import (NORMAL, TransportError, check_all_gather, check_all_to_all, check_lane,
+                                      check_lanes)
 
 _SLICE = datetime.timedelta(milliseconds=10)  # how long a waiter waits before it looks at the latch again
 
@@ -95,7 +96,8 @@ class TorchDistTransport:
         self.group = group or dist.group.WORLD
         # One process group per lane: gloo (and NCCL) run a group's collectives in issue order,
         # so a lane of its own is what lets a high-priority collective pass.
-        self.lanes = [self.group] + [new_group_like(self.group, backend="same") for _ in range(lanes - 1)]
+        self.lanes = check_lanes(self.name, lanes)
+        self.lane_groups = [self.group] + [new_group_like(self.group, backend="same") for _ in range(lanes - 1)]
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
         self._lock = threading.Lock()
@@ -105,7 +107,7 @@ class TorchDistTransport:
 
     def all_to_all_single(self, tensor: torch.Tensor, input_splits, output_splits, lane: int = NORMAL):
         tensor, ins, outs = check_all_to_all(self.name, self.rank, self.world_size, tensor, input_splits, output_splits)
-        group = self.lanes[check_lane(self.name, lane, len(self.lanes))]
+        group = self.lane_groups[check_lane(self.name, lane, self.lanes)]
         self._refuse_if_failed("all_to_all_single")
         out = tensor.new_empty((sum(outs), *tensor.shape[1:]))
         work = dist.all_to_all_single(out, tensor, output_split_sizes=outs, input_split_sizes=ins,

@@ -97,9 +97,11 @@ class RecordingTimeline(NullTimeline):
             self.log.append(("close", kind))
 
 
-def _train(mode, rank, world, transport_kind, log=None, steps=None, device="cpu"):
+def _train(mode, rank, world, transport_kind, log=None, steps=None, device="cpu", lanes=2):
     model, optimizer, pipeline = build(mode, rank, world, transport_kind,
-                                       NullTimeline() if log is None else RecordingTimeline(log), device=device)
+                                       NullTimeline() if log is None else RecordingTimeline(log), device=device,
+                                       overrides=[f"--transport.lanes={lanes}"])
+    assert pipeline.transport.lanes == lanes  # (the pipeline built its transport as the config says)
     if log is not None:
         # Streams as on a GPU: the side-stream exchanges and their hand-overs are logged.
         recorder = RecordingStreams(log)
@@ -122,9 +124,9 @@ def _train(mode, rank, world, transport_kind, log=None, steps=None, device="cpu"
     return losses, state, rates
 
 
-def _bitwise(rank, world, transport_kind):
+def _bitwise(rank, world, transport_kind, lanes=2):
     ref_losses, ref, _ = _train("sync", rank, world, transport_kind)
-    losses, got, rates = _train("prioritized", rank, world, transport_kind)
+    losses, got, rates = _train("prioritized", rank, world, transport_kind, lanes=lanes)
     assert len(losses) == len(ref_losses) == 26
     assert losses == ref_losses
     for kind in ref:
@@ -143,6 +145,12 @@ def _bitwise(rank, world, transport_kind):
 @pytest.mark.parametrize("transport_kind", ["torch_dist", "host_staged"])
 def test_prioritized_training_is_bitwise_equal_to_synchronous_updates(transport_kind):
     run_ranks(2, _bitwise, transport_kind)
+
+
+@pytest.mark.parametrize("transport_kind", ["torch_dist", "host_staged"])
+def test_prioritized_training_on_one_lane_is_bitwise_equal_to_synchronous_updates(transport_kind):
+    # transport.lanes 1: the collision rows' exchanges queue behind the others instead of passing them.
+    run_ranks(2, _bitwise, transport_kind, 1)
 
 
 CUDA_TOLERANCE = 1e-5  # losses and state, sync against prioritized on the GPU
@@ -221,6 +229,82 @@ def _schedule(rank, world):
 
 def test_each_row_goes_once_and_the_exclusive_rows_are_waited_for_at_the_next_forward():
     run_ranks(2, _schedule)
+
+
+class NotingTimeline(NullTimeline):
+    """Keeps what the pipeline notes, per ``progress`` call (the caller opens each with ``steps.append({})``)."""
+
+    def __init__(self):
+        self.steps = []
+
+    def note(self, key, value):
+        self.steps[-1][key] = self.steps[-1].get(key, 0) + value
+
+
+def _noted(mode, rank, world):
+    timeline = NotingTimeline()
+    model, _, pipeline = build(mode, rank, world, "torch_dist", timeline)
+    batches = iter(batches_of(rank))
+    try:
+        while True:
+            timeline.steps.append({})
+            pipeline.progress(batches)
+    except StopIteration:
+        timeline.steps.pop()
+    pipeline.close()
+    return model, timeline.steps
+
+
+def _exchange_bytes(rank, world):
+    model, steps = _noted("prioritized", rank, world)
+    _, sync_steps = _noted("sync", rank, world)
+    row, id_bytes = ROWS[0] * 4, 8  # float32 rows and gradients, int64 ids
+    blocks = model.tables.blocks
+    # Every rank's batches, as (table, global row) pairs; which of this rank's are another rank's.
+    rows = [[[(t, int(i)) for t, ids in model.segments(b) for i in ids] for b in batches_of(r)] for r in range(world)]
+    remote = [[(t, i) for t, i in batch if i // blocks[t] != rank] for batch in rows[rank]]
+    assert len(steps) == len(sync_steps) == len(remote) == 26
+    for k, batch in enumerate(remote):
+        # Each id sent to another rank, its row back and its gradient out.
+        assert steps[k]["exchange_bytes"] == sync_steps[k]["exchange_bytes"] == len(batch) * (id_bytes + 2 * row), k
+        assert "collision_bytes" not in sync_steps[k]
+        if k + 1 == len(remote):
+            assert "collision_bytes" not in steps[k]  # the last batch: no batch after it to go first for
+            continue
+        # Rows batch k writes (any rank's) that batch k+1 reads: this rank's gradients of them
+        # and, as a reader of batch k+1, those rows.
+        collide = {p for r in range(world) for p in rows[r][k]} & {p for r in range(world) for p in rows[r][k + 1]}
+        expected = sum(p in collide for p in batch) + sum(p in collide for p in remote[k + 1])
+        assert steps[k]["collision_bytes"] == expected * row, k
+    assert any(s.get("collision_bytes") for s in steps) and not all(s.get("collision_bytes") for s in steps[:-1])
+
+
+def test_both_pipelines_note_the_bytes_their_steps_exchange_with_the_other_ranks():
+    run_ranks(2, _exchange_bytes)
+
+
+def _without_lanes(entry):
+    """A log entry with the lane of the exchange it names left out."""
+    if entry[0] == "a2a":
+        return ("a2a", *entry[2:])
+    if entry[0] == "wait":
+        return ("wait", _without_lanes(entry[1]))
+    return entry
+
+
+def _one_lane(rank, world):
+    two, one = [], []
+    _train("prioritized", rank, world, "torch_dist", log=two, steps=12)
+    _train("prioritized", rank, world, "torch_dist", log=one, steps=12, lanes=1)
+    assert HIGH in {e[1] for e in two if e[0] == "a2a"}
+    # Nothing asks for a lane the transport does not have, and the schedule is the same: the
+    # same exchanges, waits, spans and stream hand-overs in the same order.
+    assert {e[1] for e in one if e[0] == "a2a"} == {NORMAL}
+    assert [_without_lanes(e) for e in one] == [_without_lanes(e) for e in two]
+
+
+def test_on_one_lane_the_schedule_is_the_same_with_every_exchange_on_lane_0():
+    run_ranks(2, _one_lane)
 
 
 def test_verify_cli_is_bitwise_with_the_balancer_on(tmp_path):
@@ -309,6 +393,10 @@ def test_the_report_shows_the_collision_rate_the_hot_items_set(tmp_path):
         counted = [rec for rec in records if rec.get("step", 0) > 2]
         expected = sum(r["collision_rows"] for r in counted) / sum(r["read_rows"] for r in counted)
         assert rates[p] == pytest.approx(expected, abs=1e-6)
+        # And the bytes a rank's step exchanges with the others, mean over the ranks' steps.
+        for key in ("exchange_bytes", "collision_bytes"):
+            mean = sum(r.get(key, 0) for r in counted) / len(counted)
+            assert report["summary"][f"{key}_per_step"] == pytest.approx(mean, abs=0.1) and mean > 0, key
         assert "collision rate" in (run_dir / "report" / "report.html").read_text()
         # The pipeline's waits and exchanges are profiler ranges in each rank's trace.
         for r in (0, 1):

@@ -300,11 +300,15 @@ def _lanes(rank, world, kind, local_path):
                for lane, x in (order if rank == 0 else order[::-1])}
     assert handles[HIGH].wait().tolist() == [r * 10.0 + rank + 100 for r in range(world)]
     assert handles[NORMAL].wait().tolist() == [r * 10.0 + rank for r in range(world)]
+    assert t.lanes == 2
     t.close()
-    one = build_transport(cfg)
+    one = build_transport(cfg)  # what a caller reads to know it must not ask for HIGH
+    assert one.lanes == 1
     with pytest.raises(TransportError, match="lane 1 does not exist"):
         one.all_to_all_single(small, [1] * world, [1] * world, lane=HIGH)
     one.close()
+    with pytest.raises(ValueError, match="expected at least one lane, got lanes=0"):
+        build_transport(cfg, lanes=0)
 
 
 @pytest.mark.parametrize("kind,local_path", [("torch_dist", "auto"), ("host_staged", "shm_ring"),

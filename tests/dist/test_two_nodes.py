@@ -3,7 +3,8 @@ pairs, a bridge, ``tc tbf``): one torchrun agent per host, c10d rendezvous on th
 address, each host's ranks reporting their host's name to the transport, so host_staged moves
 bytes through shared memory between the ranks of a host and over gloo across the link, in one
 training job. The job must train exactly like the same 4 ranks on one host with
-torch.distributed's collectives; and the helper must leave nothing behind, even killed."""
+torch.distributed's collectives; the link must take the time its rate says (a job trains alike
+whether or not ``tc`` shaped anything); and the helper must leave nothing behind, even killed."""
 
 import os
 import signal
@@ -47,6 +48,55 @@ def test_two_shaped_hosts_train_like_one(tmp_path):
     check(torchrun(4, *JOB, f"--run.dir={reference}", "--transport.kind=torch_dist"))
     losses = train_losses(run)
     assert sorted(losses) == list(range(1, 7)) and losses == train_losses(reference)
+
+
+# A receiver on a host: it says when it listens, then reports the bytes it got and the seconds
+# from the connection to the sender's end.
+RECEIVER = """
+import socket, sys, time
+server = socket.create_server((sys.argv[1], int(sys.argv[2])))
+print("listening", flush=True)
+conn, _ = server.accept()
+started, got = time.monotonic(), 0
+while chunk := conn.recv(1 << 16):
+    got += len(chunk)
+print(got, time.monotonic() - started, flush=True)
+"""
+SENDER = """
+import socket, sys
+with socket.create_connection((sys.argv[1], int(sys.argv[2])), timeout=60) as conn:
+    conn.sendall(bytes(int(sys.argv[3])))
+"""
+LINK_MBIT = 40  # slow enough that the transfer takes a second, fast enough for a short test
+SENT = 5_000_000  # bytes: 1.0 s at 40 Mbit/s
+
+
+def _transfer(hosts: ShapedHosts, sender: int, receiver: int, port: int) -> float:
+    """Seconds ``SENT`` bytes take over TCP from host ``sender`` to host ``receiver``."""
+    listening = subprocess.Popen(hosts.command(receiver, [sys.executable, "-c", RECEIVER, hosts.address(receiver),
+                                                          str(port)]), stdout=subprocess.PIPE, text=True)
+    try:
+        assert listening.stdout.readline().strip() == "listening"
+        subprocess.run(hosts.command(sender, [sys.executable, "-c", SENDER, hosts.address(receiver), str(port),
+                                              str(SENT)]), check=True, timeout=60)
+        got, seconds = listening.communicate(timeout=60)[0].split()
+    finally:
+        listening.kill()
+        listening.wait()
+    assert int(got) == SENT
+    return float(seconds)
+
+
+def test_the_link_takes_the_time_its_rate_says():
+    # A speed check, on purpose: unshaped, the veths move these bytes in milliseconds, and every
+    # other test here passes whether or not tc shaped anything. A busy machine can only make the
+    # transfer slower, so the lower bound is the guard and the upper one is loose. Each way,
+    # since each host's egress has a bucket of its own. (TCP/IP headers add about 4% on the wire.)
+    expected = SENT * 8 / (LINK_MBIT * 1e6)
+    with ShapedHosts(2, gbit=LINK_MBIT / 1000) as hosts:
+        for sender, receiver in ((0, 1), (1, 0)):
+            seconds = _transfer(hosts, sender, receiver, port=29600 + sender)
+            assert 0.7 * expected <= seconds <= 1.6 * expected + 2.0, (sender, receiver, seconds, expected)
 
 
 def _links() -> str:

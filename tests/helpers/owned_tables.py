@@ -59,9 +59,11 @@ def batches_of(rank):
 
 
 
-def build(mode, rank, world, transport_kind, timeline, device="cpu"):
-    """(model, optimizer, pipeline) of ``mode`` over this rank's share of the small tables."""
-    cfg = load_config(QUICKSTART, [*SMALL, f"--transport.kind={transport_kind}", "--transport.timeout_s=30"])
+def build(mode, rank, world, transport_kind, timeline, device="cpu", overrides=()):
+    """(model, optimizer, pipeline) of ``mode`` over this rank's share of the small tables
+    (``overrides``: more config overrides, e.g. ``--transport.lanes=1``)."""
+    cfg = load_config(QUICKSTART, [*SMALL, f"--transport.kind={transport_kind}", "--transport.timeout_s=30",
+                                   *overrides])
     topo = Topology(rank=rank, world_size=world, local_rank=rank, local_world_size=world)
     torch.manual_seed(0)
     model = build_owned_model(cfg, num_items=ITEMS, max_uih_len=cfg.data.max_uih_len, topology=topo, seed=7,

@@ -45,6 +45,11 @@ def test_override_values_are_typed_by_the_field():
     assert cfg.model.user_features is False
 
 
+def test_the_transport_has_two_lanes_unless_told_one():
+    assert load_config(None).transport.lanes == 2
+    assert load_config(None, ["--transport.lanes=1"]).transport.lanes == 1
+
+
 def test_numbers_in_exponent_form_without_a_dot_are_numbers():
     cfg = load_config(None, ["--sim.failures_per_rank_hour=1e-5", "--train.lr=5E-3"])
     assert cfg.sim.failures_per_rank_hour == 1e-5 and cfg.train.lr == 5e-3
@@ -83,6 +88,9 @@ def test_numbers_in_exponent_form_without_a_dot_are_numbers():
         (["--model.kind=hstu", "--task.eval_ks=[10, 0]"], "task.eval_ks: expected cut-offs >= 1, got [10, 0]"),
         (["--model.kind=rnn"], "model.kind: expected one of transformer, hstu; got 'rnn'"),
         (["--data.synthetic.num_labels=3"], "data.synthetic.num_labels: expected a value in [1, 2], got 3"),
+        (["--transport.lanes=3"], "transport.lanes: expected a value in [1, 2], got 3"),
+        (["--transport.lanes=0"], "transport.lanes: expected a value in [1, 2], got 0"),
+        (["--transport.lanes=true"], "transport.lanes: expected an integer, got True"),
         (["--model.kind=hstu", "--task.kind=retrieval", "--task.window_stride=5"],
          "task.window_stride: overlapping windows cut a ratings log's timelines for retrieval; this run is "
          "retrieval on synthetic data"),

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 
 from freescale.errors import first_line
-from freescale.transport.base import NORMAL, TransportError, check_all_gather, check_all_to_all, check_lane
+from freescale.transport.base import (NORMAL, TransportError, check_all_gather, check_all_to_all, check_lane,
+                                      check_lanes)
 from freescale.transport.host_staged import memory, wire
 from freescale.transport.host_staged.local import LocalExchange
 from freescale.transport.host_staged.remote import Pending, RemoteTransfers
@@ -59,7 +60,7 @@ class HostStagedTransport:
         self.world_size = dist.get_world_size(self.group)
         self.chunk = cfg.chunk_kib * 1024
         self.slots = cfg.slots
-        self.lanes = lanes
+        self.lanes = check_lanes(self.name, lanes)
         self.timeout_s = cfg.timeout_s
         self._global = [dist.get_global_rank(self.group, r) for r in range(self.world_size)]
         self._closed = False
