@@ -61,7 +61,10 @@ def _parser() -> argparse.ArgumentParser:
     ver.add_argument("--steps", type=int, default=20, help="steps to train each way (default 20)")
     ver.add_argument("--pipelines", default="sync,prioritized", metavar="A,B",
                      help="the two pipelines to compare, over the same kind of tables: sync and prioritized "
-                          "(FreeScale's own), or sparse_dist and base (TorchRec's) (default sync,prioritized)")
+                          "(FreeScale's own), or sparse_dist, base and pec (TorchRec's) (default sync,prioritized)")
+    ver.add_argument("--uncorrected", action="store_true",
+                     help="run pec as TorchRec 1.8.0 ships it (train.pec_corrections=false), for the record: "
+                          "it trains other numbers than sparse_dist (docs/pec.md)")
     ver.add_argument("--set-b", action="append", default=[], metavar="SECTION.KEY=VALUE",
                      help="a config override for run B alone (repeatable): does this setting change the numbers?")
     ver.add_argument("--tolerance", type=float, default=0.0,
@@ -484,14 +487,20 @@ def _verify(args, extra: list[str]) -> None:
         overrides = _split_overrides(extra)
         if any(item.removeprefix("--").split("=", 1)[0] == "train.pipeline" for item in [*overrides, *args.set_b]):
             raise ConfigError("train.pipeline: freescale verify trains the two pipelines of --pipelines")
-        cfg_a = load_config(args.config, [*overrides, f"--train.pipeline={a}"])
-        cfg_b = load_config(args.config, [*overrides, *args.set_b, f"--train.pipeline={b}"])
+        if args.uncorrected and "pec" not in (a, b):
+            raise ConfigError(f"--uncorrected: it runs train.pipeline pec as shipped; --pipelines {a},{b} has no pec")
+        shipped = ["--train.pec_corrections=false"] if args.uncorrected else []
+        cfg_a = load_config(args.config, [*overrides, f"--train.pipeline={a}", *(shipped if a == "pec" else [])])
+        cfg_b = load_config(args.config, [*overrides, *args.set_b, f"--train.pipeline={b}",
+                                          *(shipped if b == "pec" else [])])
         verdict = verify(cfg_a, cfg_b, args.steps)
     except (ConfigError, DataError, CostModelError) as e:
         _fail(str(e))
     if int(os.environ.get("RANK", 0)) == 0:
         if args.set_b:
             print(f"run B ({b}) with {' '.join(args.set_b)}")
+        if args.uncorrected:
+            print("pec as TorchRec 1.8.0 ships it (train.pec_corrections=false)")
         print_verdict(verdict, args.tolerance)
         sys.stdout.flush()
     # Every rank exits with the verdict, once rank 0 has printed it: torchrun stops the other

@@ -723,9 +723,9 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
     if cfg.train.pipeline == "pec" and cfg.embedding.sharding != "row_wise":
         raise ConfigError(f"embedding.sharding: TorchRec's PEC modules (train.pipeline pec) shard row-wise only, "
                           f"got {cfg.embedding.sharding}")
-    if ft.enable and cfg.train.pipeline == "base":
-        raise ConfigError("ft.enable: the replica layer votes on the steps of train.pipeline sparse_dist, "
-                          "prioritized or sync, got base")
+    if ft.enable and cfg.train.pipeline in ("base", "pec"):
+        raise ConfigError(f"ft.enable: the replica layer votes on the steps of train.pipeline sparse_dist, "
+                          f"prioritized or sync, got {cfg.train.pipeline}")
     if any(r < 1 for r in cfg.sim.ranks):
         raise ConfigError(f"sim.ranks: expected rank counts >= 1, got {cfg.sim.ranks}")
     for name, fault in declared_faults(cfg):

@@ -73,6 +73,7 @@ ML100K = os.path.join(REPO, "configs", "ml100k.yaml")
 HSTU = os.path.join(REPO, "configs", "hstu_ranking.yaml")
 VARIANTS = {
     "baseline": ("baseline", []),
+    "baseline_pec": ("baseline", ["--train.pipeline=pec"]),
     "freescale": ("freescale", []),
     "freescale_1lane": ("freescale", ["--transport.lanes=1"]),
 }

@@ -84,11 +84,13 @@ DEFAULT_LINK_GBIT = 3.0
 """With --hosts: the link rate at which TorchRec's exposed embedding communication is 25-50% of its step."""
 VARIANTS = {
     "sparse_dist": ("sparse_dist", []),
+    "pec": ("pec", []),
     "sync": ("sync", []),
     "prioritized": ("prioritized", []),
     "prioritized_1lane": ("prioritized", ["--transport.lanes=1"]),
 }
-"""Name: (train.pipeline, overrides). TorchRec's pipeline; FreeScale's tables updated
+"""Name: (train.pipeline, overrides). TorchRec's pipeline; TorchRec's PEC modules on the item
+table (FreeScale's pipeline for them, corrected: docs/pec.md); FreeScale's tables updated
 synchronously over the same transport as the prioritized pipeline (what the transport alone
 gives); the prioritized pipeline; the prioritized pipeline on one lane."""
 MEASURES = ("exposed_comm_ms", "bound_ms", "exposed_minus_bound_ms", "step_ms", "samples_per_s", "compute_ms",

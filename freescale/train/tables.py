@@ -112,6 +112,12 @@ class PECTables(TorchRecTables):
                             device=torch.device("meta"), side_specs=side_specs(cfg.model, side_layout))
         return shard_model(model, cfg.embedding, topology, device, pec=True)
 
+    def embedding_state(self, model: nn.Module) -> EmbeddingState:
+        """As ``sparse_dist``'s, named as there: PEC's module nests the item table's collection
+        one level deeper (``item_ec._embedding_collection.embeddings...``)."""
+        return {kind: {name.replace("._embedding_collection", ""): value for name, value in part.items()}
+                for kind, part in super().embedding_state(model).items()}
+
 
 class OwnedTables:
     """FreeScale's own row-wise sharded tables (``freescale.embedding``)."""

@@ -65,7 +65,7 @@ def pipeline_pair(text: str) -> tuple[str, str]:
     if a == b:
         raise ConfigError(f"--pipelines: {a} twice: expected two different pipelines")
     kind_a, kind_b = PIPELINES[a].table_kind, PIPELINES[b].table_kind
-    if kind_a is not kind_b:
+    if kind_a.description != kind_b.description:  # pec's tables are TorchRec's, named alike (PECTables)
         raise ConfigError(f"--pipelines: {a} trains {kind_a.description} and {b} {kind_b.description}: "
                           f"verify compares two pipelines over the same kind of tables")
     return a, b
