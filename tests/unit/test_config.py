@@ -69,7 +69,7 @@ def test_numbers_in_exponent_form_without_a_dot_are_numbers():
         (["--model.mlp_dims=[8, x]"], "model.mlp_dims[1]: expected an integer"),
         (["--train.steps=0"], "train.steps: expected a value >= 1, got 0"),
         (["--data.synthetic.affinity=1.5"], "data.synthetic.affinity: expected a value in [0.0, 1.0], got 1.5"),
-        (["--train.pipeline=warp"], "train.pipeline: expected one of sparse_dist, base, prioritized, sync; got 'warp'"),
+        (["--train.pipeline=warp"], "train.pipeline: expected one of sparse_dist, base, pec, prioritized, sync; got 'warp'"),
         (["--data=3"], "data: is a section"),
         (["--model.num_heads=3"], "model.num_heads: expected a divisor of model.embedding_dim"),
         (["--data.min_uih_len=9", "--data.max_uih_len=8"], "data.min_uih_len: expected <= data.max_uih_len"),
