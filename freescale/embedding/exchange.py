@@ -1,7 +1,9 @@
 """Row-wise sharded embedding tables whose all-to-alls FreeScale issues itself.
 
-TorchRec's sequence-embedding all-to-alls call ``torch.distributed`` inside its sharded
-module and cannot be split or reordered; these tables keep the ecosystem's parts (TorchRec's
+TorchRec's standard sequence-embedding all-to-alls call ``torch.distributed`` inside its
+sharded module, one per lookup, in the order of forward and backward. TorchRec's PEC modules
+(``train.pipeline: pec``, ``freescale.train.pec``) split them into overlapping and other rows
+over the module's one process group; these tables go further. They keep the ecosystem's parts (TorchRec's
 row-wise layout, fbgemm's table-batched kernel with ``PoolingMode.NONE`` for the local
 lookup, the same fused optimizer as the baseline) and do the id, embedding and gradient
 exchanges through the transport interface, so a pipeline can order them.

@@ -85,7 +85,7 @@ from freescale.data.batch import Batch, SideLayout
 from freescale.device import Streams, to_device
 from freescale.embedding.exchange import PendingRoute, Route, ShardedTables, counts_by
 from freescale.embedding.replicated import row_gradients
-from freescale.embedding.rows import in_rows, split_rows
+from freescale.embedding.rows import RowMarks
 from freescale.ft.replica import COMMITTED, NullReplica
 from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, build_task, task_arguments, task_settings
 from freescale.model.side import SideSpec, pool_bags, side_specs
@@ -408,6 +408,7 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         self._started = False
         self._replay_after: tuple | None = None  # the batch after next, already staged, of a step trained again
         self.collision_rates: list[float] = []
+        self._marks: RowMarks | None = None  # a mark per local row (made at the first split)
 
     def progress(self, batches: Iterator):
         if not self._started:
@@ -528,9 +529,10 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         with self.timeline.span("id_wait"):
             nxt_route = nxt.wait_route()
         cur_route = cur.route
-        split = split_rows(written, nxt_route.ids)
-        cur.owned_collide = in_rows(cur_route.ids, split.collision)
-        nxt.owned_collide = in_rows(nxt_route.ids, split.collision)
+        if self._marks is None:
+            self._marks = RowMarks(self.tables.weight.shape[0], self.tables.weight.device)
+        split = self._marks.split(written, nxt_route.ids)
+        cur.owned_collide, nxt.owned_collide = self._marks.among(split.collision, cur_route.ids, nxt_route.ids)
         self.collision_rates.append(self._note_rate(len(split.collision), len(split.collision) + len(split.exclusive)))
         # Per sender: flags for its batch-i ids, then for its batch-(i+1) ids.
         W = self.tables.world_size

@@ -54,3 +54,28 @@ def split_rows(written: torch.Tensor, read: torch.Tensor) -> RowSplit:
 def in_rows(ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """A mask over ``ids``: which of them are among ``rows``."""
     return torch.isin(ids, rows)
+
+
+class RowMarks:
+    """``split_rows`` and ``in_rows`` over a boolean per local row, as TorchRec's PEC finds its
+    overlaps (``BooleanOverlapChecker``), with the same results: marking rows and reading the
+    marks at ids is cheaper than sorting both sides for ``torch.isin``
+    (``scripts/bench_collision_split.py``). The marks are cleared where they were set, so the
+    buffer is all False between calls and never zeroed whole."""
+
+    def __init__(self, rows: int, device: torch.device | str = "cpu") -> None:
+        self.marks = torch.zeros(max(1, rows), dtype=torch.bool, device=device)
+
+    def split(self, written: torch.Tensor, read: torch.Tensor) -> RowSplit:
+        """``split_rows(written, read)``."""
+        written, read = torch.unique(written), torch.unique(read)
+        collide = self.among(written, read)[0]
+        return RowSplit(written, read[collide], read[~collide])
+
+    def among(self, rows: torch.Tensor, *ids: torch.Tensor) -> list[torch.Tensor]:
+        """``[in_rows(i, rows) for i in ids]``."""
+        self.marks[rows] = True
+        try:
+            return [self.marks[i] for i in ids]
+        finally:
+            self.marks[rows] = False

@@ -89,7 +89,7 @@ class PECSparseDist(TrainPipelineSparseDist):
         self._corrected = corrected
         self._pec: dict[str, ShardedPECEmbeddingCollection] = {}
         self._world_size = 1
-        self._pending: list[tuple[PECContext, Any]] = []  # NOL gradients deferred past the last step
+        self._deferred_onto: PECContext | None = None  # the context holding the last step's NOL gradients
 
     # The rewritten model ----------------------------------------------------------------------
 
@@ -188,8 +188,8 @@ class PECSparseDist(TrainPipelineSparseDist):
 
     def fill_pipeline(self, dataloader_iter: Iterator) -> None:
         """Batch 0: its input distribution, overlap (against nothing) and NOL lookup; batch 1:
-        its input distribution started and its splits waited for."""
-        if len(self.batches) >= 2 or self.batches:
+        its input distribution started and its splits waited for (nothing once filled)."""
+        if self.batches:
             return
         if not self.enqueue_batch(dataloader_iter):
             return
@@ -230,22 +230,20 @@ class PECSparseDist(TrainPipelineSparseDist):
             collisions = self._gradients(ctx0, overlapped=True)
             self._optimizer.step()
             self._apply(collisions, "collision_wait")
-            (ctx1 if ctx1 is not None else ctx0).deferred["nol"] = ctx0
-            if ctx1 is None:
-                self._apply(self._start_deferred(ctx0), "deferred_wait")
-            else:
-                self._pending = [(ctx1, ctx0)]
+            self._deferred_onto = ctx1 if ctx1 is not None else ctx0
+            self._deferred_onto.deferred["nol"] = ctx0
+            if ctx1 is None:  # the last batch: nothing follows to apply them
+                self.drain()
         self.dequeue_batch()
         return output
 
     def _start_deferred(self, ctx: PECContext) -> list:
         """Start the exchange of the NOL gradients deferred onto ``ctx`` (nothing on the first step)."""
         owner = ctx.deferred.pop("nol", None)
-        self._pending = []
+        self._deferred_onto = None
         return [] if owner is None else self._gradients(owner, overlapped=False)
 
     def drain(self) -> None:
         """Apply the NOL gradients the last step deferred: the tables then hold every update."""
-        for ctx, _ in self._pending:
-            self._apply(self._start_deferred(ctx), "deferred_wait")
-        self._pending = []
+        if self._deferred_onto is not None:
+            self._apply(self._start_deferred(self._deferred_onto), "deferred_wait")

@@ -51,3 +51,23 @@ def test_the_three_sets_partition_the_rows_of_both_batches():
 
 def test_in_rows_marks_every_occurrence():
     assert in_rows(t(3, 1, 3, 0), t(3)).tolist() == [True, False, True, False]
+
+
+def test_row_marks_give_what_sorting_gives_call_after_call():
+    """RowMarks (a mark per local row, as PEC's overlap checker) against split_rows and in_rows,
+    over successive steps on one buffer: a mark left set would show in a later step."""
+    from freescale.embedding.rows import RowMarks
+
+    g = torch.Generator().manual_seed(3)
+    marks = RowMarks(50)
+    for step in range(40):
+        hi = int(torch.randint(1, 50, (1,), generator=g))
+        written, read = (torch.randint(0, hi, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g)
+                         for _ in range(2))
+        ids = torch.randint(0, 50, (25,), generator=g)
+        want, got = split_rows(written, read), marks.split(written, read)
+        for field in ("written", "collision", "exclusive"):
+            assert torch.equal(getattr(got, field), getattr(want, field)), (step, field)
+        assert [m.tolist() for m in marks.among(want.collision, ids, read)] == \
+            [in_rows(ids, want.collision).tolist(), in_rows(read, want.collision).tolist()]
+        assert not marks.marks.any()
