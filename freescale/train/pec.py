@@ -37,6 +37,7 @@ from torchrec.distributed.train_pipeline.runtime_forwards import InSyncEmbedding
 from torchrec.distributed.types import LazyNoWait
 
 from freescale import compat
+from freescale.train.sparse_dist import ProfiledSparseDist
 
 
 @dataclass
@@ -73,7 +74,7 @@ class PECForward(InSyncEmbeddingPipelinedForward):
             ctx.backward[name])
 
 
-class PECSparseDist(TrainPipelineSparseDist):
+class PECSparseDist(ProfiledSparseDist):
     """TorchRec's sparse-dist pipeline with the item table's rows looked up and updated in
     PEC's order (the module docstring); ``corrected``: ``compat.apply_pec_gradient``'s
     corrections on; ``timeline`` gets the input distribution and PEC's waits as spans."""
@@ -81,11 +82,10 @@ class PECSparseDist(TrainPipelineSparseDist):
     _pipelined_forward_type = PECForward
 
     def __init__(self, model, optimizer, device: torch.device, *, timeline, corrected: bool = True) -> None:
-        compat.require_methods(TrainPipelineSparseDist, "start_sparse_data_dist", "wait_sparse_data_dist",
-                               "_pipeline_model", "_init_pipelined_modules", "_set_module_context",
-                               "enqueue_batch", "dequeue_batch", "_backward")
-        super().__init__(model, optimizer, device, execute_all_batches=False, context_type=PECContext)
-        self._timeline = timeline
+        compat.require_methods(TrainPipelineSparseDist, "_pipeline_model", "_init_pipelined_modules",
+                               "_set_module_context", "enqueue_batch", "dequeue_batch", "_backward")
+        super().__init__(model, optimizer, device, execute_all_batches=False, context_type=PECContext,
+                         timeline=timeline)
         self._corrected = corrected
         self._pec: dict[str, ShardedPECEmbeddingCollection] = {}
         self._world_size = 1
@@ -101,14 +101,6 @@ class PECSparseDist(TrainPipelineSparseDist):
             raise ValueError("train.pipeline pec: the model holds no PECEmbeddingCollection")
         for module in self._pec.values():
             self._world_size = compat.private(module, "_env", compat.PEC_PURPOSE).world_size
-
-    def start_sparse_data_dist(self, *args, **kwargs):
-        with self._timeline.span("input_dist"):
-            return super().start_sparse_data_dist(*args, **kwargs)
-
-    def wait_sparse_data_dist(self, *args, **kwargs):
-        with self._timeline.span("input_dist"):
-            return super().wait_sparse_data_dist(*args, **kwargs)
 
     # PEC's stages -----------------------------------------------------------------------------
 

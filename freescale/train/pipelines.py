@@ -25,13 +25,14 @@ from collections import deque
 from typing import Callable, ContextManager, Iterator, Protocol
 
 import torch
-from torchrec.distributed.train_pipeline import TrainPipelineBase, TrainPipelineSparseDist
+from torchrec.distributed.train_pipeline import TrainPipelineBase
 
 from freescale import compat
 from freescale.data.batch import Batch
 from freescale.ft.replica import COMMITTED, Vote
 from freescale.model.seqrec import StepOutput
 from freescale.profile.timeline import instrument_phases
+from freescale.train.sparse_dist import ProfiledSparseDist
 from freescale.train.tables import OWNED_TABLES, PEC_TABLES, TORCHREC_TABLES
 
 
@@ -99,23 +100,6 @@ class _TorchRecPipeline:
         return contextlib.nullcontext()
 
 
-class _ProfiledSparseDist(TrainPipelineSparseDist):
-    """TrainPipelineSparseDist that marks its input-distribution calls on the timeline."""
-
-    def __init__(self, *args, timeline, **kwargs) -> None:
-        compat.require_methods(TrainPipelineSparseDist, "start_sparse_data_dist", "wait_sparse_data_dist")
-        super().__init__(*args, **kwargs)
-        self._timeline = timeline
-
-    def start_sparse_data_dist(self, *args, **kwargs):
-        with self._timeline.span("input_dist"):
-            return super().start_sparse_data_dist(*args, **kwargs)
-
-    def wait_sparse_data_dist(self, *args, **kwargs):
-        with self._timeline.span("input_dist"):
-            return super().wait_sparse_data_dist(*args, **kwargs)
-
-
 class SparseDistPipeline(_TorchRecPipeline):
     """``train.pipeline: sparse_dist``: TorchRec's ``TrainPipelineSparseDist``. Evaluation runs
     the plain model: the forwards the pipeline rewrote are swapped back for it
@@ -123,7 +107,7 @@ class SparseDistPipeline(_TorchRecPipeline):
 
     def __init__(self, model, optimizer, device, timeline) -> None:
         instrument_phases(timeline, model, optimizer)
-        super().__init__(_ProfiledSparseDist(model, optimizer, device, execute_all_batches=False, timeline=timeline),
+        super().__init__(ProfiledSparseDist(model, optimizer, device, execute_all_batches=False, timeline=timeline),
                          model, device)
 
     @classmethod

@@ -36,13 +36,13 @@ def test_config_choices_equal_registry_keys(index):
 
 def test_every_pipeline_class_has_the_interface_and_names_its_tables():
     from freescale.train.pipelines import PIPELINES, TrainPipeline
-    from freescale.train.tables import OWNED_TABLES, TORCHREC_TABLES
+    from freescale.train.tables import OWNED_TABLES, PEC_TABLES, TORCHREC_TABLES
 
     members = {"progress", "drain", "close", "evaluating", "vote"}
     assert members <= set(dir(TrainPipeline))
     for name, cls in PIPELINES.items():
         assert members | {"build", "table_kind"} <= set(dir(cls)), name
-        assert cls.table_kind in (TORCHREC_TABLES, OWNED_TABLES), name
+        assert cls.table_kind in (TORCHREC_TABLES, PEC_TABLES, OWNED_TABLES), name
 
 
 def test_the_trainer_never_asks_which_pipeline_or_tables_it_has():
