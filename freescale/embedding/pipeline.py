@@ -23,12 +23,14 @@ all-to-all of flags on the high lane). Step i:
    that tell each sender which of its ids are which went before the forward, on the high
    lane: what batch i writes is known then.)
 5. backward of batch i; the dense all-reduce starts; batch i+2's ids are sent;
-6. batch i's collision gradients go first (high lane), the owners update those rows and send
-   batch i+1's collision rows (high lane): the only exchange waited for in full;
+6. batch i's collision gradients go first (high lane); the dense optimizer steps while they
+   cross (as TorchRec's PEC steps it beside its overlapping gradients); the owners update
+   those rows and send batch i+1's collision rows (high lane): the only exchange waited for
+   in full;
 7. batch i's other gradients are sent (normal lane), to be applied at 3. of the next step
    (between a sender and an owner with few collision rows, the whole block with those rows
-   zeroed: it is applied as it comes);
-8. the dense optimizer steps. Nothing waits for batch i+1's rows here: the wait is at 2.
+   zeroed: it is applied as it comes). Nothing waits for batch i+1's rows here: the wait is
+   at 2.
 
 On a transport of one lane (``transport.lanes: 1``) the schedule is the same, in the same
 order, with every exchange on that lane: what the high lane would carry queues behind the
@@ -478,6 +480,9 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
             with self.timeline.span("collision_wait"):
                 hot_got = collision.wait()
             return self._finish_replicated(out, plan, self._all_gradients(cur, hot_got, deferred), dense, after)
+        # The dense optimizer steps while the collision gradients cross (as PEC's does beside its
+        # overlapping gradients): it reads nothing the exchange writes.
+        self._dense_step(dense)
         with self.timeline.span("collision_wait"):
             got = collision.wait()
         tables.update(self._on_device(_take(route.ids, cur.owned_collide)), got)
@@ -485,7 +490,6 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         # (after: nothing large competes with the collision exchange for the wire or the CPU).
         self._send_collision_rows(nxt)
         self._deferred = self._send_deferred(cur, sent)
-        self._dense_step(dense)
         self._cur, self._next = nxt, after
         if self._next is None:
             self.drain()  # the data ended: nothing is deferred past the last batch

@@ -208,6 +208,8 @@ def _schedule(rank, world):
         assert forwards[j + 1] < waited < forward_ends, (j, forwards[j + 1], waited, forward_ends)
         optimizer_done = max(i for i, e in enumerate(window) if e == ("close", "optimizer")) + forwards[j]
         assert optimizer_done < waited
+        # The dense optimizer steps while the collision gradients cross: before they are waited for.
+        assert optimizer_done < log.index(("wait", issued[1])), (j, optimizer_done, log.index(("wait", issued[1])))
         # On a GPU the exclusive rows, the collision rows and the deferred gradients go on the side
         # stream, after what the compute stream issued before (a table update, the backward), and
         # the compute stream waits for the side stream before it reads what they brought.
