@@ -47,7 +47,7 @@ class PECContext(EmbeddingTrainPipelineContext):
     ``dist_inputs``: its features after the input distribution (the next batch's overlap is
     found against them); ``forward``/``backward``: the partitions of its lookup and of its
     gradient (one per sharding group); ``ol``/``nol``: the partitions' output all-to-alls;
-    ``deferred``: the previous batch's NOL gradients, applied during this batch's step.
+    ``deferred_from``: the previous batch, whose NOL gradients this batch's step applies.
     """
 
     dist_inputs: dict[str, Any] = field(default_factory=dict)
@@ -55,7 +55,7 @@ class PECContext(EmbeddingTrainPipelineContext):
     backward: dict[str, Any] = field(default_factory=dict)
     ol: dict[str, Any] = field(default_factory=dict)
     nol: dict[str, Any] = field(default_factory=dict)
-    deferred: dict[str, Any] = field(default_factory=dict)
+    deferred_from: PECContext | None = None
 
 
 class PECForward(InSyncEmbeddingPipelinedForward):
@@ -223,7 +223,7 @@ class PECSparseDist(ProfiledSparseDist):
             self._optimizer.step()
             self._apply(collisions, "collision_wait")
             self._deferred_onto = ctx1 if ctx1 is not None else ctx0
-            self._deferred_onto.deferred["nol"] = ctx0
+            self._deferred_onto.deferred_from = ctx0
             if ctx1 is None:  # the last batch: nothing follows to apply them
                 self.drain()
         self.dequeue_batch()
@@ -231,7 +231,7 @@ class PECSparseDist(ProfiledSparseDist):
 
     def _start_deferred(self, ctx: PECContext) -> list:
         """Start the exchange of the NOL gradients deferred onto ``ctx`` (nothing on the first step)."""
-        owner = ctx.deferred.pop("nol", None)
+        owner, ctx.deferred_from = ctx.deferred_from, None
         self._deferred_onto = None
         return [] if owner is None else self._gradients(owner, overlapped=False)
 
