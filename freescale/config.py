@@ -355,7 +355,7 @@ class FTConfig:
     quorum_timeout_s: Annotated[float, Range(min=0.1)] = 60.0
     """How long a step waits for a quorum of replica groups."""
     embedding_sync_every: Annotated[int, NonNegative] = 10
-    """TorchRec's tables (train.pipeline sparse_dist): add up every group's changes to the rows every this many steps, at every checkpoint and at the last step (0 = only the last two); FreeScale's own tables sum each step's row gradients across the groups instead."""
+    """TorchRec's tables (train.pipeline sparse_dist and pec): add up every group's changes to the rows every this many steps, at every checkpoint and at the last step (0 = only the last two); FreeScale's own tables sum each step's row gradients across the groups instead."""
     embedding_sync: Literal["add", "average"] = "add"
     """TorchRec's tables at a sync: add the groups' changes (as one job would have applied them), or average the groups' copies (TorchRec DMPCollection's semantics, to measure against)."""
     lr_scaling: Literal["none", "sqrt"] = "none"
@@ -723,9 +723,9 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
     if cfg.train.pipeline == "pec" and cfg.embedding.sharding != "row_wise":
         raise ConfigError(f"embedding.sharding: TorchRec's PEC modules (train.pipeline pec) shard row-wise only, "
                           f"got {cfg.embedding.sharding}")
-    if ft.enable and cfg.train.pipeline in ("base", "pec"):
-        raise ConfigError(f"ft.enable: the replica layer votes on the steps of train.pipeline sparse_dist, "
-                          f"prioritized or sync, got {cfg.train.pipeline}")
+    if ft.enable and cfg.train.pipeline == "base":
+        raise ConfigError("ft.enable: the replica layer votes on the steps of train.pipeline sparse_dist, pec, "
+                          "prioritized or sync, got base")
     if any(r < 1 for r in cfg.sim.ranks):
         raise ConfigError(f"sim.ranks: expected rank counts >= 1, got {cfg.sim.ranks}")
     for name, fault in declared_faults(cfg):

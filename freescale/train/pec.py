@@ -215,19 +215,29 @@ class PECSparseDist(ProfiledSparseDist):
         if len(self.batches) > 2:
             self.wait_sparse_data_dist(self.contexts[2])
         self._apply(deferred, "deferred_wait")
-        if ctx1 is not None:
+        if ctx1 is not None and self._look_ahead_now():
             self._lookup(ctx1, overlapped=False)
         if self._model.training:
             self._backward(losses)
-            collisions = self._gradients(ctx0, overlapped=True)
-            self._optimizer.step()
-            self._apply(collisions, "collision_wait")
-            self._deferred_onto = ctx1 if ctx1 is not None else ctx0
-            self._deferred_onto.deferred_from = ctx0
-            if ctx1 is None:  # the last batch: nothing follows to apply them
-                self.drain()
+            self._update(ctx0, ctx1)
         self.dequeue_batch()
         return output
+
+    def _look_ahead_now(self) -> bool:
+        """Whether the next batch's NOL rows are looked up during this step (PEC's schedule:
+        the current batch writes none of them)."""
+        return True
+
+    def _update(self, ctx0: PECContext, ctx1: PECContext | None) -> None:
+        """After backward: the OL gradients exchanged beside the dense optimizer's step and
+        applied; the NOL gradients deferred onto the next batch's step."""
+        collisions = self._gradients(ctx0, overlapped=True)
+        self._optimizer.step()
+        self._apply(collisions, "collision_wait")
+        self._deferred_onto = ctx1 if ctx1 is not None else ctx0
+        self._deferred_onto.deferred_from = ctx0
+        if ctx1 is None:  # the last batch: nothing follows to apply them
+            self.drain()
 
     def _start_deferred(self, ctx: PECContext) -> list:
         """Start the exchange of the NOL gradients deferred onto ``ctx`` (nothing on the first step)."""
@@ -239,3 +249,47 @@ class PECSparseDist(ProfiledSparseDist):
         """Apply the NOL gradients the last step deferred: the tables then hold every update."""
         if self._deferred_onto is not None:
             self._apply(self._start_deferred(self._deferred_onto), "deferred_wait")
+
+
+class ReplicatedPECSparseDist(PECSparseDist):
+    """``PECSparseDist`` under the replica layer (``pipelines.ReplicaPEC``): a step ends at
+    its vote, so everything it writes is written before it.
+
+    - Batch N's NOL gradients are exchanged right after its OL gradients and applied after
+      them, before the vote (``optimizer.step``: ``VotedOptimizer``), not deferred onto step
+      N+1: a rolled-back step puts back every row it wrote, a sync counts every change of its
+      batches, and a peer's snapshot holds every update of the steps it has.
+    - Batch N+1's NOL rows are looked up during step N (as PEC does) unless step N is one at
+      which the tables may change under them at the vote (``may_change(step)``: a sync step
+      adds the groups' changes to them); then, and after a vote that rewrote the tables (a
+      catch-up), they are looked up once step N's vote is in (``look_ahead``). A rolled-back
+      step keeps them: batch N, trained again, writes none of them.
+    """
+
+    def __init__(self, *args, may_change, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._may_change = may_change  # () -> bool: the tables may change at this step's vote
+
+    def _look_ahead_now(self) -> bool:
+        return not self._may_change()
+
+    def _update(self, ctx0: PECContext, ctx1: PECContext | None) -> None:
+        collisions = self._gradients(ctx0, overlapped=True)
+        rest = self._gradients(ctx0, overlapped=False)
+        self._apply(collisions, "collision_wait")
+        self._apply(rest, "exclusive_wait")
+        self._optimizer.step()
+
+    def look_ahead(self, anew: bool) -> None:
+        """After a vote that trained the step's batch: the next batch's NOL rows, looked up if
+        the step did not (``anew``: looked up again, the tables were rewritten since)."""
+        if not self.contexts:
+            return
+        ctx = self.contexts[0]
+        looked = [name for name in self._pec if name in ctx.nol]
+        if looked and not anew:
+            return
+        for name in looked:  # the stale lookup's all-to-alls, finished and dropped
+            for awaitable in ctx.nol.pop(name):
+                awaitable.wait()
+        self._lookup(ctx, overlapped=False)

@@ -8,7 +8,8 @@
   reference.
 - ``pec`` (``PECPipeline``): TorchRec's PEC modules on the item table, driven by
   ``freescale.train.pec.PECSparseDist`` (TorchRec 1.8.0 has no PEC pipeline), the gradients
-  applied as the standard path applies them (``compat.apply_pec_gradient``).
+  applied as the standard path applies them (``compat.apply_pec_gradient``). Under the
+  replica layer: ``ReplicaPEC``.
 - ``sync`` and ``prioritized`` (``SyncPipeline``, ``PrioritizedPipeline``): FreeScale's own
   row-wise sharded tables, the embedding exchanges synchronous or ordered by priority
   (``freescale.embedding.pipeline``), over a transport of their own.
@@ -107,8 +108,10 @@ class SparseDistPipeline(_TorchRecPipeline):
 
     def __init__(self, model, optimizer, device, timeline) -> None:
         instrument_phases(timeline, model, optimizer)
-        super().__init__(ProfiledSparseDist(model, optimizer, device, execute_all_batches=False, timeline=timeline),
-                         model, device)
+        super().__init__(self._make_inner(model, optimizer, device, timeline), model, device)
+
+    def _make_inner(self, model, optimizer, device, timeline):
+        return ProfiledSparseDist(model, optimizer, device, execute_all_batches=False, timeline=timeline)
 
     @classmethod
     def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None,
@@ -125,24 +128,27 @@ class SparseDistPipeline(_TorchRecPipeline):
 class PECPipeline(SparseDistPipeline):
     """``train.pipeline: pec``: TorchRec's PEC modules (``freescale.train.pec``). The NOL
     gradients a step defers are applied by ``drain()``; evaluation runs the plain model, as
-    under ``sparse_dist``."""
+    under ``sparse_dist``. Under the replica layer: ``ReplicaPEC``."""
 
     table_kind = PEC_TABLES
 
     def __init__(self, model, optimizer, device, timeline, *, corrected: bool = True) -> None:
+        self.corrected = corrected
+        super().__init__(model, optimizer, device, timeline)
+
+    def _make_inner(self, model, optimizer, device, timeline):
         from freescale.train.pec import PECSparseDist
 
-        instrument_phases(timeline, model, optimizer)
-        _TorchRecPipeline.__init__(self, PECSparseDist(model, optimizer, device, timeline=timeline,
-                                                       corrected=corrected), model, device)
+        return PECSparseDist(model, optimizer, device, timeline=timeline, corrected=self.corrected)
 
     @classmethod
     def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None,
               train_cfg=None) -> TrainPipeline:
         """``train_cfg.pec_corrections``: apply the gradients corrected (the default) or as shipped."""
+        corrected = train_cfg is None or train_cfg.pec_corrections
         if replica is not None and replica.enabled:
-            raise ValueError("train.pipeline pec does not run under the replica layer yet")
-        return cls(model, optimizer, device, timeline, corrected=train_cfg is None or train_cfg.pec_corrections)
+            return ReplicaPEC(model, optimizer, device, timeline, replica, corrected=corrected)
+        return cls(model, optimizer, device, timeline, corrected=corrected)
 
     def drain(self) -> None:
         self.inner.drain()
@@ -217,12 +223,12 @@ class ReplicaSparseDist(SparseDistPipeline):
 
     def __init__(self, model, optimizer, device, timeline, replica) -> None:
         self.tables = replica.side.tables
-        self.voted = VotedOptimizer(optimizer, replica, self._in_hand)
-        super().__init__(model, self.voted, device, timeline)
         self.replica = replica
+        self.voted = VotedOptimizer(optimizer, replica, self._in_hand)
         self._drawn: deque = deque()
         self._source: _Drawn | None = None
         self._again = None
+        super().__init__(model, self.voted, device, timeline)
 
     @property
     def vote(self):
@@ -240,8 +246,13 @@ class ReplicaSparseDist(SparseDistPipeline):
             else:
                 batch = self._again
                 out = self._train_alone(batch)
+            self._voted()
         self._again = None if self.vote.trained else batch
         return out
+
+    def _voted(self) -> None:
+        """After the step's vote, still reporting the rows lookups read (nothing here: TorchRec's
+        pipeline holds only ids ahead)."""
 
     def _in_hand(self):
         """The batch the step trains: one trained again, or the oldest TorchRec has drawn."""
@@ -262,6 +273,36 @@ class ReplicaSparseDist(SparseDistPipeline):
 
     def close(self) -> None:
         self.tables.close()
+
+
+class ReplicaPEC(ReplicaSparseDist):
+    """``train.pipeline: pec`` under the replica layer: ``ReplicaSparseDist``'s vote, rollback
+    and training again alone, over ``freescale.train.pec.ReplicatedPECSparseDist`` (every row
+    a step writes is written before its vote). The rows the pipeline looked up ahead for the
+    next batch are looked up again when a vote rewrote the tables (a catch-up)."""
+
+    table_kind = PEC_TABLES
+
+    def __init__(self, model, optimizer, device, timeline, replica, *, corrected: bool = True) -> None:
+        self.corrected = corrected
+        self._rewritten = False  # a vote rewrote the tables since the next batch's rows were read
+        super().__init__(model, optimizer, device, timeline, replica)
+
+    def _make_inner(self, model, optimizer, device, timeline):
+        from freescale.train.pec import ReplicatedPECSparseDist
+
+        replica = self.replica
+        return ReplicatedPECSparseDist(model, optimizer, device, timeline=timeline, corrected=self.corrected,
+                                       may_change=lambda: replica.side.due(replica.wait_quorum()))
+
+    def _voted(self) -> None:
+        self._rewritten = self._rewritten or self.vote.rewritten
+        if self.vote.trained:
+            self.inner.look_ahead(anew=self._rewritten)
+            self._rewritten = False
+
+    def drain(self) -> None:
+        self.inner.drain()
 
 
 # FreeScale's own tables -------------------------------------------------------------------------

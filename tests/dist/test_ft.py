@@ -287,6 +287,37 @@ def test_an_injected_commit_failure_leaves_no_trace(tmp_path):
         assert_exactly_once(summary, 12)
 
 
+def test_pec_under_the_layer_trains_as_sparse_dist_through_rollbacks_and_a_catch_up(tmp_path):
+    # TorchRec's PEC pipeline under the replica layer against TorchRec's sparse-dist pipeline
+    # under the same faults, two groups of two ranks: both groups vote against step 4 (the next
+    # batch's rows were looked up ahead: batch 4, trained again, writes none of them) and step
+    # 10 (a sync step of the tables, every 5 here: they are looked up after its vote); group 1
+    # votes against step 12 after the peers committed it, then catches up from group 0 (its
+    # tables rewritten: the rows it looked up ahead are read again). Every loss of both groups,
+    # and their final states, bitwise the same as sparse_dist's.
+    args = ["--replicas", "2", "--nproc", "2", "--train.steps=16", "--checkpoint.at_end=true", "--ft.min_replicas=2",
+            "--ft.embedding_sync_every=5", "--run.log_every=1", "--fault.fail_commit_at=[4,10]",
+            "--faults=[{fail_commit_at: [12], replicas: [1]}]"]
+    runs = {}
+    for pipeline in ("sparse_dist", "pec"):
+        runs[pipeline] = tmp_path / pipeline
+        proc, summary = local(runs[pipeline], *args, f"--train.pipeline={pipeline}")
+        check(proc)
+        assert_exactly_once(summary, 16)
+    group1 = logs(runs["pec"], 1)
+    assert "step 4 not committed" in group1 and "step 10 not committed" in group1
+    assert "step 12 not committed" in group1 and "caught up with a peer at step" in group1
+    for r in range(2):
+        losses = train_losses(runs["pec"] / f"replica{r}")
+        assert sorted(losses) == [step for step in range(1, 17) if r == 0 or step != 12]  # group 1's step 12: group 0's
+        assert losses == train_losses(runs["sparse_dist"] / f"replica{r}"), r
+        ref = final_state(runs["sparse_dist"] / f"replica{r}", tmp_path)
+        # (PEC's module holds the item table's collection one level deeper)
+        got = {k.replace("._embedding_collection", ""): v
+               for k, v in final_state(runs["pec"] / f"replica{r}", tmp_path).items()}
+        assert differing(ref, got, "") == [], r
+
+
 def test_a_vote_lost_after_the_peers_committed_does_not_train_the_batch_again(tmp_path):
     # Group 1 votes against step 10 after every collective of the step went through: group 0
     # commits it with group 1's batch in. Group 1 is then a step behind, catches up from group 0,

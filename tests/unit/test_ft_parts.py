@@ -160,7 +160,6 @@ def test_config_checks_of_the_layer():
     for overrides, message in [(["ft.replica_id=2", "ft.num_replicas=2"], "ft.replica_id: expected < ft.num_replicas"),
                                (["ft.min_replicas=3", "ft.num_replicas=2"], "ft.min_replicas: expected <="),
                                (["train.pipeline=base"], "ft.enable: the replica layer votes on the steps of .* got base"),
-                               (["train.pipeline=pec"], "ft.enable: the replica layer votes on the steps of .* got pec"),
                                (["ft.enable=false", "train.pipeline=pec", "embedding.sharding=table_wise"],
                                 "embedding.sharding: TorchRec's PEC modules .* row-wise only, got table_wise"),
                                (["ft.enable=false", "fault.during=allreduce"], "fault.during: allreduce needs the replica layer"),
