@@ -88,7 +88,9 @@ class _TorchRecPipeline:
     @contextlib.contextmanager
     def evaluating(self):
         """The plain model in eval mode, over batches moved to the model's device (the held-out
-        batches are read into host memory); training mode is restored after."""
+        batches are read into host memory), after every update the trained batches owe the
+        tables (``drain``); training mode is restored after."""
+        self.drain()
         with self._plain_forwards():
             self.model.eval()
             try:

@@ -4,8 +4,8 @@ Two gloo ranks train the same data from the same weights, once with TorchRec's
 ``TrainPipelineSparseDist`` and once with PEC's modules driven by ``freescale.train.pec``: the
 item table holds two features (the history and the candidates), its rows are row-wise
 Adagrad's, the dense part Adam's. Every step's loss, every table row, the embedding optimizer's
-state, every dense parameter and the dense optimizer's state must be bitwise equal, with the
-balancer off and on; with either of ``compat.apply_pec_gradient``'s corrections removed, they
+state, every dense parameter and the dense optimizer's state must be bitwise equal, and so must
+the held-out losses evaluated after the last step, with the balancer off and on; with either of ``compat.apply_pec_gradient``'s corrections removed, they
 are not (the corrections are switched off one at a time by patching them out).
 """
 
@@ -15,7 +15,7 @@ import torch
 from freescale import compat
 from freescale.balance.balancer import build_balancer
 from freescale.config import load_config
-from freescale.data.loader import BatchLoader
+from freescale.data.loader import BatchLoader, eval_batches
 from freescale.distributed import Topology
 from freescale.profile.timeline import NullTimeline
 from freescale.train.trainer import read_inputs
@@ -66,11 +66,15 @@ def train(rank, world, pipeline: str, balance: list[str], steps: int, overrides=
     balancer = build_balancer(cfg.balance, cfg.transport, inputs.cost_model, group=topo.pg,
                               user_hash_size=cfg.model.user_hash_size)
     pipeline_ = training.build_pipeline(torch.device("cpu"), NullTimeline(), group=topo.pg, replica=None)
+    held_out = eval_batches(inputs.eval_source, num_samples=4 * cfg.data.batch_size, batch_size=cfg.data.batch_size,
+                            rank=rank, world_size=world, user_hash_size=cfg.model.user_hash_size)
     try:
         batches = balancer.batches(loader.iter_samples())
         losses = [pipeline_.progress(batches).loss.item() for _ in range(steps)]
+        with pipeline_.evaluating() as model:  # as the trainer evaluates: no drain() of its own first
+            evaluated = [model(batch)[0].clone() for batch in held_out]
         pipeline_.drain()
-        return losses, snapshot(training)
+        return losses, {**snapshot(training), **{f"eval{i}": e for i, e in enumerate(evaluated)}}
     finally:
         pipeline_.close()
         balancer.close()
