@@ -26,7 +26,9 @@ transport of one lane, ``transport.lanes=1``: what the priority lane is worth).
     count. Per run: exposed communication per step and step time from the bubble report,
     samples/s, the measured collision rate, and on a link the bound and the distance to it
     (below); then the means with the spread (min-max) and the ratios. For the baseline, the
-    share of its step that exposed communication takes.
+    share of its step that exposed communication takes. Per variant, where its main thread was
+    blocked, by span (``blocked_ms_by_span``: the bubble report's
+    ``blocked_ms_per_step_by_span``, the five largest printed).
 (b) a sweep over the collision rate (targets in percent of the rows batch i+1 reads that batch i
     writes; the hot-item probability that gives each is found from the data first), every
     variant at each rate on the first rank count: how exposed communication grows with it.
@@ -155,6 +157,7 @@ def train_once(ranks: int, pipeline: str, steps: int, run_dir: str, extra: list[
         "collision_wait_ms": summary.get("collision_wait_ms_per_step"),
         "exchange_bytes": summary.get("exchange_bytes_per_step"),
         "collision_bytes": summary.get("collision_bytes_per_step"),
+        "blocked_ms_by_span": summary.get("blocked_ms_per_step_by_span", {}),
     }
 
 
@@ -163,6 +166,15 @@ def _stats(runs: list[dict], key: str) -> dict:
     if not values:
         return {"mean": None, "min": None, "max": None}
     return {"mean": round(float(np.mean(values)), 3), "min": round(min(values), 3), "max": round(max(values), 3)}
+
+
+def _blocked(runs: list[dict]) -> dict[str, float]:
+    """Per span kind, the mean over ``runs`` of the main thread's time in it off its CPU (the
+    bubble report's ``blocked_ms_per_step_by_span``; a span inside another counts in both),
+    largest first: where a pipeline's exposed communication sits."""
+    kinds = {kind for r in runs for kind in r["blocked_ms_by_span"]}
+    means = {kind: round(float(np.mean([r["blocked_ms_by_span"].get(kind, 0.0) for r in runs])), 3) for kind in kinds}
+    return dict(sorted(means.items(), key=lambda kv: -kv[1]))
 
 
 def _show(s: dict, digits: int = 1) -> str:
@@ -196,7 +208,11 @@ def compare(ranks: int, repeats: int, steps: int, extra: list[str], tmp: str, la
                 f"step {r['step_ms']:7.1f} ms | {r['samples_per_s']:8.1f} samples/s | collision rate {rate}")
     progress.close()
     stats = {v: {k: _stats(runs[v], k) for k in MEASURES} for v in variants}
-    row = {"ranks": ranks, "link_gbit": link_gbit, "runs": runs, "stats": stats}
+    row = {"ranks": ranks, "link_gbit": link_gbit, "runs": runs, "stats": stats,
+           "blocked_ms_by_span": {v: _blocked(runs[v]) for v in variants}}
+    for v in variants:
+        top = ", ".join(f"{kind} {ms:.2f}" for kind, ms in list(row["blocked_ms_by_span"][v].items())[:5])
+        say(None, f"  {v:<17} blocked in (ms/step, mean of the runs): {top}")
     if "sparse_dist" in stats and "prioritized" in stats:
         base, ours = stats["sparse_dist"], stats["prioritized"]
         row.update({

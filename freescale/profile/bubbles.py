@@ -154,5 +154,22 @@ def summarize(rank_steps: list[RankStep], warmup_steps: int = 0) -> dict:
     return {"summary": summary, "per_rank": per_rank}
 
 
+def blocked_by_span(records: list[dict]) -> dict[str, float]:
+    """Per span kind, the main thread's time in it off its CPU (the span's wall time less its
+    ``span_cpu``: blocked on an exchange, or waiting for a core), ms per step over ``records``
+    (the step records of the ranks and steps summarized), largest first. A span inside another
+    counts in both: the kinds do not add up to the step."""
+    if not records:
+        return {}
+    blocked: dict[str, float] = {}
+    for rec in records:
+        for kind, t0, t1 in rec.get("spans", []):
+            blocked[kind] = blocked.get(kind, 0.0) + (t1 - t0)
+        for kind, cpu in rec.get("span_cpu", {}).items():
+            blocked[kind] = blocked.get(kind, 0.0) - cpu
+    out = {kind: round(1000.0 * max(0.0, t) / len(records), 3) for kind, t in blocked.items()}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def as_rows(rank_steps: list[RankStep]) -> list[dict]:
     return [asdict(s) for s in rank_steps]

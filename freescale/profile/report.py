@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from freescale.io import write_text_atomic  # noqa: E402
-from freescale.profile.bubbles import as_rows, decompose, summarize  # noqa: E402
+from freescale.profile.bubbles import as_rows, blocked_by_span, decompose, summarize  # noqa: E402
 from freescale.profile.mfu import mfu  # noqa: E402
 from freescale.profile.peak import PEAK_FILE  # noqa: E402
 from freescale.profile.timeline import read_timelines  # noqa: E402
@@ -59,6 +59,9 @@ def analyze(run_dir: str, warmup_steps: int | None = None) -> dict:
         raise ValueError(f"{run_dir}: the ranks' timelines share no complete step")
     result = summarize(rank_steps, warmup_steps)
     result["summary"].update(_embedding_measures(steps, result["summary"]))
+    first, last = result["summary"]["first_step"], result["summary"]["last_step"]
+    result["summary"]["blocked_ms_per_step_by_span"] = blocked_by_span(
+        [rec for recs in steps.values() for rec in recs if first <= rec["step"] <= last])
     result["summary"].update(_efficiency(steps, rank_steps, result["summary"], run_dir))
     device_timed = any("device_compute" in rec for recs in steps.values() for rec in recs)
     result["summary"]["compute_from"] = "device events" if device_timed else "main-thread CPU"

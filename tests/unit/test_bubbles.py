@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from freescale.profile.bubbles import decompose, summarize
+from freescale.profile.bubbles import blocked_by_span, decompose, summarize
 
 
 def rec(step, start, end, cpu, data=(), data_cpu=0.0, cpu_wait=None, data_cpu_wait=0.0):
@@ -154,3 +154,19 @@ def test_the_wait_for_a_core_in_data_loading_is_data_wait_and_a_rank_waits_for_p
     assert close(capped[(0, 1)].R, 0.040)
     device = dict(rec(1, 0.0, 0.100, cpu=0.005, cpu_wait=0.050), device_compute=0.060)
     assert close(by(decompose({0: [device]}))[(0, 1)].R, 0.0)
+
+
+def test_blocked_time_per_span_kind_is_its_wall_time_off_the_cpu_per_step():
+    # Two steps. Step 1: a backward of 80 ms wall with 60 ms of CPU holds a 15 ms wait with no
+    # CPU; an optimizer span of 12 ms with 2 ms of CPU. Step 2: a backward of 40 ms with 40 ms of
+    # CPU, and a collision wait whose CPU reads a hair above its wall time (clock granularity).
+    step1 = {"spans": [["backward", 0.0, 0.080], ["wait", 0.030, 0.045], ["optimizer", 0.080, 0.092]],
+             "span_cpu": {"backward": 0.060, "wait": 0.0, "optimizer": 0.002}}
+    step2 = {"spans": [["backward", 0.0, 0.040], ["collision_wait", 0.040, 0.041]],
+             "span_cpu": {"backward": 0.040, "collision_wait": 0.0011}}
+    got = blocked_by_span([step1, step2])
+    # per step: backward (20 + 0) / 2, the nested wait 15 / 2 (also inside backward's 20), the
+    # optimizer 10 / 2; the collision wait never below zero; largest first
+    assert got == {"backward": 10.0, "wait": 7.5, "optimizer": 5.0, "collision_wait": 0.0}
+    assert list(got) == ["backward", "wait", "optimizer", "collision_wait"]
+    assert blocked_by_span([]) == {}
