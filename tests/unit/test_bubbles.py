@@ -160,7 +160,7 @@ def test_blocked_time_per_span_kind_is_its_wall_time_off_the_cpu_per_step():
     # Two steps. Step 1: a backward of 80 ms wall with 60 ms of CPU holds a 15 ms wait with no
     # CPU; an optimizer span of 12 ms with 2 ms of CPU. Step 2: a backward of 40 ms with 40 ms of
     # CPU, and a collision wait whose CPU reads a hair above its wall time (clock granularity).
-    step1 = {"spans": [["backward", 0.0, 0.080], ["wait", 0.030, 0.045], ["optimizer", 0.080, 0.092]],
+    step1 = {"spans": [["optimizer", 0.080, 0.092], ["backward", 0.0, 0.080], ["wait", 0.030, 0.045]],
              "span_cpu": {"backward": 0.060, "wait": 0.0, "optimizer": 0.002}}
     step2 = {"spans": [["backward", 0.0, 0.040], ["collision_wait", 0.040, 0.041]],
              "span_cpu": {"backward": 0.040, "collision_wait": 0.0011}}
