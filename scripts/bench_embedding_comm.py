@@ -28,7 +28,9 @@ transport of one lane, ``transport.lanes=1``: what the priority lane is worth).
     (below); then the means with the spread (min-max) and the ratios. For the baseline, the
     share of its step that exposed communication takes. Per variant, where its main thread was
     blocked, by span (``blocked_ms_by_span``: the bubble report's
-    ``blocked_ms_per_step_by_span``, the five largest printed).
+    ``blocked_ms_per_step_by_span``, the five largest printed), and how much of its exposed
+    communication was the main thread waiting for a core (``cpu_wait_ms``: on a host of one
+    core, the exchanges' own threads running).
 (b) a sweep over the collision rate (targets in percent of the rows batch i+1 reads that batch i
     writes; the hot-item probability that gives each is found from the data first), every
     variant at each rate on the first rank count: how exposed communication grows with it.
@@ -96,7 +98,7 @@ table (FreeScale's pipeline for them, corrected: docs/pec.md); FreeScale's table
 synchronously over the same transport as the prioritized pipeline (what the transport alone
 gives); the prioritized pipeline; the prioritized pipeline on one lane."""
 MEASURES = ("exposed_comm_ms", "bound_ms", "exposed_minus_bound_ms", "step_ms", "samples_per_s", "compute_ms",
-            "collision_rate")
+            "cpu_wait_ms", "collision_rate")
 """What the tables and the JSON's ``stats`` hold per variant (mean, min, max over the repetitions)."""
 
 
@@ -157,6 +159,7 @@ def train_once(ranks: int, pipeline: str, steps: int, run_dir: str, extra: list[
         "collision_wait_ms": summary.get("collision_wait_ms_per_step"),
         "exchange_bytes": summary.get("exchange_bytes_per_step"),
         "collision_bytes": summary.get("collision_bytes_per_step"),
+        "cpu_wait_ms": summary.get("cpu_wait_ms_per_step"),
         "blocked_ms_by_span": summary.get("blocked_ms_per_step_by_span", {}),
     }
 
@@ -212,7 +215,8 @@ def compare(ranks: int, repeats: int, steps: int, extra: list[str], tmp: str, la
            "blocked_ms_by_span": {v: _blocked(runs[v]) for v in variants}}
     for v in variants:
         top = ", ".join(f"{kind} {ms:.2f}" for kind, ms in list(row["blocked_ms_by_span"][v].items())[:5])
-        say(None, f"  {v:<17} blocked in (ms/step, mean of the runs): {top}")
+        say(None, f"  {v:<17} blocked in (ms/step, mean of the runs): {top}; waiting for a core (within "
+                  f"exposed comm): {_show(stats[v]['cpu_wait_ms'], 2)}")
     if "sparse_dist" in stats and "prioritized" in stats:
         base, ours = stats["sparse_dist"], stats["prioritized"]
         row.update({
