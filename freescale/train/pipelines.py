@@ -303,9 +303,6 @@ class ReplicaPEC(ReplicaSparseDist):
             self.inner.look_ahead(anew=self._rewritten)
             self._rewritten = False
 
-    def drain(self) -> None:
-        self.inner.drain()
-
 
 # FreeScale's own tables -------------------------------------------------------------------------
 
