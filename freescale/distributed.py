@@ -93,8 +93,9 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: flo
 
 
 def set_threads(requested: int, local_world_size: int) -> int:
-    """Split the host's cores between its ranks unless a count is requested."""
-    threads = requested or max(1, (os.cpu_count() or 1) // max(1, local_world_size))
+    """Split the cores this process may run on (``env.cores()``) between the host's ranks
+    unless a count is requested."""
+    threads = requested or max(1, env.cores() // max(1, local_world_size))
     torch.set_num_threads(threads)
     return threads
 

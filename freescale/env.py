@@ -25,5 +25,15 @@ def get_int(name: str, default: int) -> int:
     return default if value in (None, "") else int(value)
 
 
+def cores() -> int:
+    """The CPU cores this process may run on: its affinity mask (what ``taskset``, a cgroup
+    cpuset or a container's CPU pinning leaves it), not the machine's count, which a process
+    pinned to fewer cores would oversubscribe."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity masks on this platform
+        return os.cpu_count() or 1
+
+
 def launched_by_torchrun() -> bool:
     return RANK in os.environ and WORLD_SIZE in os.environ and MASTER_ADDR in os.environ

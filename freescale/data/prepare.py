@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from freescale import env
 from freescale.config import DataConfig, RatingsDataConfig, SyntheticDataConfig, TaskConfig
 from freescale.data import sample_sql as sql
 from freescale.data.errors import DataError
@@ -125,7 +126,7 @@ class Engine:
     """DuckDB's resources (not part of the idempotence key: they change how, not what)."""
 
     memory_limit: str = "2GB"
-    threads: int = field(default_factory=lambda: os.cpu_count() or 1)
+    threads: int = field(default_factory=env.cores)
 
     def check(self) -> None:
         if self.threads < 1:
