@@ -296,8 +296,8 @@ class TransportConfig:
     """host_staged: how long a waiting proxy polls for its peers before it sleeps (0 = sleep at once)."""
     timeout_s: Annotated[float, Range(min=0.1)] = 60.0
     """host_staged: a collective with no progress for this long fails (a dead peer fails at once)."""
-    lanes: Annotated[int, Range(min=1, max=2)] = 2
-    """Lanes of the transport of train.pipeline sync and prioritized: 2 = a high-priority lane that the collision rows' exchanges take past the rest; 1 = every exchange on one lane, in the order issued."""
+    lanes: Literal["auto", 1, 2] = "auto"
+    """Lanes of the transport of train.pipeline sync and prioritized: 2 = a high-priority lane that the collision rows' exchanges take past the rest; 1 = every exchange on one lane, in the order issued; auto = 2 where every rank has two cores or more, else 1 (on a core per rank the second lane's threads take it from the compute: docs/prioritized.md)."""
 
 
 @dataclass
@@ -630,7 +630,7 @@ def _coerce(tp: Any, value: Any, dotted: str) -> Any:
 
     if origin is Literal:
         choices = typing.get_args(tp)
-        if value not in choices:
+        if not any(type(value) is type(c) and value == c for c in choices):  # true is not 1, nor 1.0
             raise ConfigError(f"{dotted}: expected one of {', '.join(map(str, choices))}; got {value!r}")
         return value
     if origin in (list, typing.List):

@@ -19,8 +19,9 @@ Every run is a real ``torchrun`` job of ``configs/bench_embedding.yaml`` (a 2M-r
 the step) with bubble profiling on; the variants (``VARIANTS``, or those ``--variants`` names)
 alternate within each repetition: ``sparse_dist`` (TorchRec's pipeline), ``sync`` (FreeScale's
 own tables updated synchronously, over the same transport: what the transport alone gives),
-``prioritized`` (the same tables, collision rows first) and ``prioritized_1lane`` (the same on a
-transport of one lane, ``transport.lanes=1``: what the priority lane is worth).
+``prioritized`` (the same tables, collision rows first, ``transport.lanes`` as the config leaves
+it: ``auto``, one lane where a rank has one core), ``prioritized_1lane`` and ``prioritized_2lanes``
+(the same on a transport of one lane and of two: what the priority lane is worth).
 
 (a) at a low collision rate (``data.synthetic.hot_prob`` 0: about 0.5% of rows), on each rank
     count. Per run: exposed communication per step and step time from the bubble report,
@@ -92,11 +93,12 @@ VARIANTS = {
     "sync": ("sync", []),
     "prioritized": ("prioritized", []),
     "prioritized_1lane": ("prioritized", ["--transport.lanes=1"]),
+    "prioritized_2lanes": ("prioritized", ["--transport.lanes=2"]),
 }
 """Name: (train.pipeline, overrides). TorchRec's pipeline; TorchRec's PEC modules on the item
 table (FreeScale's pipeline for them, corrected: docs/pec.md); FreeScale's tables updated
 synchronously over the same transport as the prioritized pipeline (what the transport alone
-gives); the prioritized pipeline; the prioritized pipeline on one lane."""
+gives); the prioritized pipeline (lanes: auto); the prioritized pipeline on one lane, on two."""
 MEASURES = ("exposed_comm_ms", "bound_ms", "exposed_minus_bound_ms", "step_ms", "samples_per_s", "compute_ms",
             "cpu_wait_ms", "collision_rate")
 """What the tables and the JSON's ``stats`` hold per variant (mean, min, max over the repetitions)."""

@@ -22,6 +22,7 @@ registry ``PIPELINES`` maps the config's name to the class, looked up once.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections import deque
 from typing import Callable, ContextManager, Iterator, Protocol
 
@@ -35,6 +36,8 @@ from freescale.model.seqrec import StepOutput
 from freescale.profile.timeline import instrument_phases
 from freescale.train.sparse_dist import ProfiledSparseDist
 from freescale.train.tables import OWNED_TABLES, PEC_TABLES, TORCHREC_TABLES
+
+log = logging.getLogger("freescale")
 
 
 class TrainPipeline(Protocol):
@@ -322,9 +325,11 @@ class _OwnedTablesPipeline:
     def build(cls, model, optimizer, device, timeline, *, group, transport_cfg, replica=None,
               train_cfg=None) -> TrainPipeline:
         from freescale.embedding.pipeline import PIPELINES as SCHEDULES
-        from freescale.transport.registry import build_transport, group_for
+        from freescale.transport.registry import build_transport, group_for, lanes_for
 
-        transport = build_transport(transport_cfg, group_for(transport_cfg.kind, group), lanes=transport_cfg.lanes)
+        lanes, why = lanes_for(transport_cfg.lanes, group)
+        log.info(f"{cls.schedule}: transport {transport_cfg.kind}, {lanes} lane{'s' if lanes > 1 else ''} ({why})")
+        transport = build_transport(transport_cfg, group_for(transport_cfg.kind, group), lanes=lanes)
         return cls(SCHEDULES[cls.schedule](model, optimizer, transport, group, timeline, replica=replica), transport)
 
     def progress(self, batches: Iterator[Batch]) -> StepOutput:

@@ -6,6 +6,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
+from freescale import env
 from freescale.transport.base import Transport
 from freescale.transport.host_staged import HostStagedTransport
 from freescale.transport.torch_dist import TorchDistTransport
@@ -37,3 +38,19 @@ def build_transport(cfg, group: dist.ProcessGroup | None = None, lanes: int = 1)
     if cfg.kind not in TRANSPORTS:
         raise ValueError(f"unknown transport {cfg.kind!r}; expected one of {sorted(TRANSPORTS)}")
     return TRANSPORTS[cfg.kind](group, cfg, lanes=lanes)
+
+
+def lanes_for(setting: int | str, group: dist.ProcessGroup) -> tuple[int, str]:
+    """The lanes a transport over ``group`` is built with for the config's ``transport.lanes``,
+    and why (for the log). ``auto``: two where every rank of ``group`` has two cores or more to
+    itself (its affinity's cores shared among its host's ranks), else one: on a host with a core
+    per rank the second lane's threads run on the core that computes, and cost more than the
+    priority buys (docs/prioritized.md). Every rank of ``group`` takes part and gets the same
+    answer (a lane is a process group of its own: ranks must agree to make one)."""
+    if setting != "auto":
+        return int(setting), "transport.lanes"
+    from freescale.distributed import all_gather_object
+
+    mine = env.cores() // max(1, env.get_int(env.LOCAL_WORLD_SIZE, 1))
+    fewest = max(1, min(all_gather_object(mine, group)))
+    return (2 if fewest >= 2 else 1), f"auto: {fewest} core{'s' if fewest > 1 else ''} per rank on the fewest"

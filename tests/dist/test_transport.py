@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from freescale.config import TransportConfig
 from freescale.transport.base import HIGH, NORMAL, TransportError
-from freescale.transport.registry import build_transport
+from freescale.transport.registry import build_transport, lanes_for
 from helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -309,6 +309,28 @@ def _lanes(rank, world, kind, local_path):
     one.close()
     with pytest.raises(ValueError, match="expected at least one lane, got lanes=0"):
         build_transport(cfg, lanes=0)
+
+
+def _auto_lanes(rank, world):
+    two = set(sorted(os.sched_getaffinity(0))[:2])
+    cases = [  # (this rank's cores, its host's ranks), per rank -> lanes every rank builds
+        ([(1, 1), (2, 1)], 1),  # one rank on a core of its own: one lane, on both (they must agree)
+        ([(2, 1), (2, 1)], 2),
+        ([(2, 2), (2, 2)], 1),  # two cores shared by two ranks of a host
+    ]
+    for per_rank, expected in cases:
+        cores, local = per_rank[rank]
+        os.sched_setaffinity(0, set(sorted(two)[:cores]))
+        os.environ["LOCAL_WORLD_SIZE"] = str(local)
+        lanes, why = lanes_for("auto", dist.group.WORLD)
+        assert lanes == expected, (per_rank, why)
+        assert why.startswith("auto: ")
+    assert lanes_for(2, dist.group.WORLD) == (2, "transport.lanes")  # asked for: no cores counted
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a process allowed on two cores or more")
+def test_auto_lanes_are_two_only_where_every_rank_has_two_cores():
+    run_ranks(2, _auto_lanes)
 
 
 @pytest.mark.parametrize("kind,local_path", [("torch_dist", "auto"), ("host_staged", "shm_ring"),

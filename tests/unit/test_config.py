@@ -46,7 +46,8 @@ def test_override_values_are_typed_by_the_field():
 
 
 def test_the_transport_has_two_lanes_unless_told_one():
-    assert load_config(None).transport.lanes == 2
+    assert load_config(None).transport.lanes == "auto"
+    assert load_config(None, ["--transport.lanes=2"]).transport.lanes == 2
     assert load_config(None, ["--transport.lanes=1"]).transport.lanes == 1
 
 
@@ -88,9 +89,10 @@ def test_numbers_in_exponent_form_without_a_dot_are_numbers():
         (["--model.kind=hstu", "--task.eval_ks=[10, 0]"], "task.eval_ks: expected cut-offs >= 1, got [10, 0]"),
         (["--model.kind=rnn"], "model.kind: expected one of transformer, hstu; got 'rnn'"),
         (["--data.synthetic.num_labels=3"], "data.synthetic.num_labels: expected a value in [1, 2], got 3"),
-        (["--transport.lanes=3"], "transport.lanes: expected a value in [1, 2], got 3"),
-        (["--transport.lanes=0"], "transport.lanes: expected a value in [1, 2], got 0"),
-        (["--transport.lanes=true"], "transport.lanes: expected an integer, got True"),
+        (["--transport.lanes=3"], "transport.lanes: expected one of auto, 1, 2; got 3"),
+        (["--transport.lanes=0"], "transport.lanes: expected one of auto, 1, 2; got 0"),
+        (["--transport.lanes=true"], "transport.lanes: expected one of auto, 1, 2; got True"),
+        (["--transport.lanes=1.0"], "transport.lanes: expected one of auto, 1, 2; got 1.0"),
         (["--model.kind=hstu", "--task.kind=retrieval", "--task.window_stride=5"],
          "task.window_stride: overlapping windows cut a ratings log's timelines for retrieval; this run is "
          "retrieval on synthetic data"),
