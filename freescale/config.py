@@ -65,7 +65,7 @@ class RunConfig:
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Compute device: auto picks cuda when available, else cpu."""
     threads: Annotated[int, NonNegative] = 0
-    """Intra-op threads per rank; 0 = CPU cores divided by the ranks on this host."""
+    """Intra-op threads per rank; 0 = the cores this process may run on (its CPU affinity) divided by the ranks on this host."""
     log_every: Annotated[int, Positive] = 10
     """Print progress and append to metrics.jsonl every this many steps."""
     tensorboard: bool = False
@@ -297,7 +297,7 @@ class TransportConfig:
     timeout_s: Annotated[float, Range(min=0.1)] = 60.0
     """host_staged: a collective with no progress for this long fails (a dead peer fails at once)."""
     lanes: Literal["auto", 1, 2] = "auto"
-    """Lanes of the transport of train.pipeline sync and prioritized: 2 = a high-priority lane that the collision rows' exchanges take past the rest; 1 = every exchange on one lane, in the order issued; auto = 2 where every rank has two cores or more, else 1 (on a core per rank the second lane's threads take it from the compute: docs/prioritized.md)."""
+    """Lanes of the transport of train.pipeline sync and prioritized: 2 = a high-priority lane that the collision rows' exchanges take past the rest; 1 = every exchange on one lane, in the order issued; auto = 2, except 1 over torch_dist where a rank has a core or less to itself (there a lane's gloo threads take the core from the compute: docs/prioritized.md)."""
 
 
 @dataclass

@@ -6,8 +6,9 @@
 
 ``configs/baseline_torchrec.yaml`` (contiguous slices, TorchRec's TrainPipelineSparseDist,
 torch_dist) against ``configs/freescale.yaml`` (the balancer, the prioritized pipeline,
-host_staged), and the variants of them in ``VARIANTS`` (``freescale_1lane``: FreeScale's
-experiment with ``transport.lanes=1``, the prioritized pipeline without its priority lane), on
+host_staged), and the variants of them in ``VARIANTS`` (``freescale_1lane`` and
+``freescale_2lanes``: FreeScale's experiment with ``transport.lanes`` 1 and 2 instead of
+``auto``, the prioritized pipeline without and with its priority lane), on
 each data source (``synthetic``: the configs' heavy-tailed histories;
 ``ml100k``: the data section of ``configs/ml100k.yaml``, MovieLens-100K), each model
 (``transformer``: the configs' own; ``hstu``: the model section of ``configs/hstu_ranking.yaml``,
@@ -76,6 +77,7 @@ VARIANTS = {
     "baseline_pec": ("baseline", ["--train.pipeline=pec"]),
     "freescale": ("freescale", []),
     "freescale_1lane": ("freescale", ["--transport.lanes=1"]),
+    "freescale_2lanes": ("freescale", ["--transport.lanes=2"]),
 }
 """Name: (experiment, overrides). The first is the baseline the others are compared with;
 ``freescale`` is the one whose verdicts make a row hold."""

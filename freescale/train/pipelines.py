@@ -327,7 +327,7 @@ class _OwnedTablesPipeline:
         from freescale.embedding.pipeline import PIPELINES as SCHEDULES
         from freescale.transport.registry import build_transport, group_for, lanes_for
 
-        lanes, why = lanes_for(transport_cfg.lanes, group)
+        lanes, why = lanes_for(transport_cfg.lanes, group, transport_cfg.kind)
         log.info(f"{cls.schedule}: transport {transport_cfg.kind}, {lanes} lane{'s' if lanes > 1 else ''} ({why})")
         transport = build_transport(transport_cfg, group_for(transport_cfg.kind, group), lanes=lanes)
         return cls(SCHEDULES[cls.schedule](model, optimizer, transport, group, timeline, replica=replica), transport)

@@ -64,6 +64,9 @@ class Transport(Protocol):
     world_size: int
     lanes: int
     """How many lanes it was built with (``NORMAL`` up to ``lanes - 1``)."""
+    lane_has_threads: bool
+    """Whether each lane runs threads of its own (``transport.lanes: auto`` then gives a rank
+    with one core one lane)."""
 
     def all_to_all_single(self, tensor: torch.Tensor, input_splits: Sequence[int],
                           output_splits: Sequence[int], lane: int = NORMAL) -> Handle: ...

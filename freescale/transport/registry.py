@@ -40,15 +40,18 @@ def build_transport(cfg, group: dist.ProcessGroup | None = None, lanes: int = 1)
     return TRANSPORTS[cfg.kind](group, cfg, lanes=lanes)
 
 
-def lanes_for(setting: int | str, group: dist.ProcessGroup) -> tuple[int, str]:
-    """The lanes a transport over ``group`` is built with for the config's ``transport.lanes``,
-    and why (for the log). ``auto``: two where every rank of ``group`` has two cores or more to
-    itself (its affinity's cores shared among its host's ranks), else one: on a host with a core
-    per rank the second lane's threads run on the core that computes, and cost more than the
+def lanes_for(setting: int | str, group: dist.ProcessGroup, kind: str) -> tuple[int, str]:
+    """The lanes a transport of ``kind`` over ``group`` is built with for the config's
+    ``transport.lanes``, and why (for the log). ``auto``: two, except on a transport whose lanes
+    run threads of their own (``torch_dist``: a gloo group per lane) where some rank of
+    ``group`` has a core or less to itself (its affinity's cores shared among its host's ranks):
+    there the second lane's threads run on the core that computes and cost more than the
     priority buys (docs/prioritized.md). Every rank of ``group`` takes part and gets the same
     answer (a lane is a process group of its own: ranks must agree to make one)."""
     if setting != "auto":
         return int(setting), "transport.lanes"
+    if not TRANSPORTS[kind].lane_has_threads:
+        return 2, f"auto: {kind}'s lanes share its threads"
     from freescale.distributed import all_gather_object
 
     mine = env.cores() // max(1, env.get_int(env.LOCAL_WORLD_SIZE, 1))

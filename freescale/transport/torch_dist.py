@@ -91,6 +91,8 @@ class _WorkHandle:
 
 class TorchDistTransport:
     name = "torch_dist"
+    lane_has_threads = True
+    """A lane is a process group, with threads of its own (gloo's)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, cfg=None, lanes: int = 1) -> None:
         self.group = group or dist.group.WORLD

@@ -322,14 +322,17 @@ def _auto_lanes(rank, world):
         cores, local = per_rank[rank]
         os.sched_setaffinity(0, set(sorted(two)[:cores]))
         os.environ["LOCAL_WORLD_SIZE"] = str(local)
-        lanes, why = lanes_for("auto", dist.group.WORLD)
+        lanes, why = lanes_for("auto", dist.group.WORLD, "torch_dist")
         assert lanes == expected, (per_rank, why)
         assert why.startswith("auto: ")
-    assert lanes_for(2, dist.group.WORLD) == (2, "transport.lanes")  # asked for: no cores counted
+        # host_staged's lanes are rings its one proxy serves: no threads to take a core
+        assert lanes_for("auto", dist.group.WORLD, "host_staged")[0] == 2
+    assert lanes_for(2, dist.group.WORLD, "torch_dist") == (2, "transport.lanes")  # asked for: no cores counted
+    assert lanes_for(1, dist.group.WORLD, "host_staged") == (1, "transport.lanes")
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs a process allowed on two cores or more")
-def test_auto_lanes_are_two_only_where_every_rank_has_two_cores():
+def test_auto_lanes_are_two_unless_a_rank_has_one_core_for_a_lane_with_threads():
     run_ranks(2, _auto_lanes)
 
 

@@ -50,6 +50,8 @@ LOOK_EVERY_S = 1e-3  # and the longest wait between looks (the wait doubles up t
 
 class HostStagedTransport:
     name = "host_staged"
+    lane_has_threads = False
+    """Lanes are rings and sequence numbers that the one proxy and the one gloo group serve."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, cfg=None, lanes: int = 1) -> None:
         from freescale.config import TransportConfig
