@@ -95,7 +95,7 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: flo
 def set_threads(requested: int, local_world_size: int) -> int:
     """Split the cores this process may run on (``env.cores()``) between the host's ranks
     unless a count is requested."""
-    threads = requested or max(1, env.cores() // max(1, local_world_size))
+    threads = requested or env.cores_per_rank(local_world_size)
     torch.set_num_threads(threads)
     return threads
 

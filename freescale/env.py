@@ -35,5 +35,11 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
+def cores_per_rank(local_world_size: int) -> int:
+    """This process's share of its ``cores()`` when ``local_world_size`` ranks share them (at
+    least one)."""
+    return max(1, cores() // max(1, local_world_size))
+
+
 def launched_by_torchrun() -> bool:
     return RANK in os.environ and WORLD_SIZE in os.environ and MASTER_ADDR in os.environ

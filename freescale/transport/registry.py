@@ -54,6 +54,5 @@ def lanes_for(setting: int | str, group: dist.ProcessGroup, kind: str) -> tuple[
         return 2, f"auto: {kind}'s lanes share its threads"
     from freescale.distributed import all_gather_object
 
-    mine = env.cores() // max(1, env.get_int(env.LOCAL_WORLD_SIZE, 1))
-    fewest = max(1, min(all_gather_object(mine, group)))
+    fewest = min(all_gather_object(env.cores_per_rank(env.get_int(env.LOCAL_WORLD_SIZE, 1)), group))
     return (2 if fewest >= 2 else 1), f"auto: {fewest} core{'s' if fewest > 1 else ''} per rank on the fewest"

@@ -45,7 +45,7 @@ def test_override_values_are_typed_by_the_field():
     assert cfg.model.user_features is False
 
 
-def test_the_transport_has_two_lanes_unless_told_one():
+def test_the_transport_lanes_are_auto_unless_told():
     assert load_config(None).transport.lanes == "auto"
     assert load_config(None, ["--transport.lanes=2"]).transport.lanes == 2
     assert load_config(None, ["--transport.lanes=1"]).transport.lanes == 1
