@@ -322,21 +322,30 @@ def test_a_vote_lost_after_the_peers_committed_does_not_train_the_batch_again(tm
     # Group 1 votes against step 10 after every collective of the step went through: group 0
     # commits it with group 1's batch in. Group 1 is then a step behind, catches up from group 0,
     # and takes from its state that its batch is trained: it goes on to the next one.
-    run = tmp_path / "run"
-    proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--train.steps=30", "--checkpoint.at_end=true",
-                          "--ft.min_replicas=2",
-                          "--fault.fail_commit_at=[10]", "--fault.replicas=[1]")
-    check(proc)
-    assert "step 10 not committed (injected commit failure at step 10)" in logs(run, 1)
-    assert "caught up with a peer at step 10" in logs(run, 1) and "not committed" not in logs(run, 0)
-    # Group 1 commits step 11 with the peers' state, its step-10 batch counted in: it trains the
-    # next one at step 12.
-    group1 = commits(run, 1)
-    assert [c["step"] for c in group1] == [*range(1, 10), *range(11, 31)] and all(c["trained"] for c in group1)
-    cursor = {c["step"]: c["next_batch"] for c in group1}
-    assert (cursor[9], cursor[11], cursor[12], cursor[30]) == (9, 10, 11, 29)
-    assert_exactly_once(summary, 30)
-    assert_groups_agree(run, 2, tmp_path)
+    # The prioritized pipeline under the same fault must end bitwise as the synchronous one: it
+    # read the next batch's rows before the vote that rewrote its tables with the peer's, so it
+    # must read them again.
+    runs = {}
+    for pipeline in ("sync", "prioritized"):
+        run = runs[pipeline] = tmp_path / pipeline
+        proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--train.steps=30", "--checkpoint.at_end=true",
+                              "--ft.min_replicas=2", "--run.log_every=1", f"--train.pipeline={pipeline}",
+                              "--fault.fail_commit_at=[10]", "--fault.replicas=[1]")
+        check(proc)
+        assert "step 10 not committed (injected commit failure at step 10)" in logs(run, 1)
+        assert "caught up with a peer at step 10" in logs(run, 1) and "not committed" not in logs(run, 0)
+        # Group 1 commits step 11 with the peers' state, its step-10 batch counted in: it trains the
+        # next one at step 12.
+        group1 = commits(run, 1)
+        assert [c["step"] for c in group1] == [*range(1, 10), *range(11, 31)] and all(c["trained"] for c in group1)
+        cursor = {c["step"]: c["next_batch"] for c in group1}
+        assert (cursor[9], cursor[11], cursor[12], cursor[30]) == (9, 10, 11, 29)
+        assert_exactly_once(summary, 30)
+        assert_groups_agree(run, 2, tmp_path)
+    for r in range(2):
+        reference, got = (runs[p] / f"replica{r}" for p in ("sync", "prioritized"))
+        assert train_losses(got) == train_losses(reference), r
+        assert differing(final_state(reference, tmp_path), final_state(got, tmp_path), "") == [], r
 
 
 def test_a_group_that_dies_at_its_vote_leaves_its_batch_counted_once(tmp_path):
