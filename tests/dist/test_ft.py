@@ -9,6 +9,7 @@ import os
 import re
 import signal
 import time
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from helpers.launch import REPO, check, freescale, start_freescale, torchrun, tr
 pytestmark = pytest.mark.slow
 
 FT_LOCAL = str(REPO / "configs" / "ft_local.yaml")
+BATCH_SIZE = 16  # configs/ft_local.yaml's data.batch_size, which no test here changes
 # Long enough that a group restarted on this 2-core machine (10-20 s to start) rejoins before the end.
 LONG = ["--train.steps=600", "--checkpoint.at_end=true"]
 # A checkpoint every 7 steps: none of them is a step the TorchRec tables' sync falls on by its
@@ -85,10 +87,36 @@ def assert_groups_agree(run: Path, replicas: int, tmp: Path, since: float = 0.0)
     return len(shared)
 
 
-def assert_exactly_once(summary: dict, steps: int) -> None:
-    ledger = summary["ledger"]
-    assert ledger["samples_lost"] == 0 and ledger["samples_repeated"] == 0 and ledger["unexpected"] == 0, ledger
-    assert ledger["complete"], ledger
+def synthetic_batch(global_batch: int):
+    """The sample ids of a global batch of the synthetic stream, whose ids are its positions."""
+    return lambda k: range(k * global_batch, (k + 1) * global_batch)
+
+
+def assert_exactly_once(run: Path, summary: dict, steps: int, batch_ids=None) -> None:
+    """Read here from the files every group wrote (its ledgers and its data cursor), not taken
+    from the launcher: every batch of every group's shard before its cursor trained once across
+    its ranks, each sample of it once (``batch_ids(k)``: the ids global batch ``k`` holds; by
+    default the synthetic stream's), nothing else trained, every group at the last step. Then the
+    launcher's ledger check must say the same."""
+    replicas, nproc = summary["replicas"], summary["ranks_per_replica"]
+    batch_ids = batch_ids or synthetic_batch(BATCH_SIZE * nproc)
+    batches = 0
+    for g in range(replicas):
+        folder = run / f"replica{g}"
+        cursor = json.loads((folder / "ft_cursor.json").read_text())
+        assert cursor["step"] == steps, (g, cursor)
+        mine = [p * replicas + g for p in range(cursor["next_batch"])]  # its shard, from the start
+        trained = {}
+        for path in sorted((folder / "ledger").glob("*.jsonl")):
+            for record in map(json.loads, path.read_text().splitlines()):
+                trained.setdefault(record["batch"], Counter()).update(record["sample_ids"])
+        assert sorted(trained) == mine, (g, sorted(set(trained) ^ set(mine))[:10])
+        for k in mine:
+            assert trained[k] == Counter(batch_ids(k)), (g, k, trained[k] - Counter(batch_ids(k)),
+                                                         Counter(batch_ids(k)) - trained[k])
+        batches += len(mine)
+    assert summary["ledger"] == {"samples_lost": 0, "samples_repeated": 0, "unexpected": 0, "unfinished": [],
+                                 "complete": True, "batches": batches}, summary["ledger"]
     for g in summary["groups"]:
         assert g["exit_code"] == 0 and g["last_step"] == steps, g
 
@@ -156,7 +184,7 @@ def test_a_killed_group_of_two_ranks_catches_up_group_atomically_and_finishes(tm
                      r"disagree", group1), group1[-3000:]
     assert len(re.findall(r"\[r1/1\] caught up with a peer", group1)) == len(re.findall(r"\[r1/0\] caught up", group1))
     assert_kept_committing(run, summary, down=1)
-    assert_exactly_once(summary, 600)
+    assert_exactly_once(run, summary, 600)
     # From the first checkpoint after group 1 came back on: the two groups' states, tables
     # included, at steps that are no sync step of TorchRec's tables but checkpoint steps.
     assert assert_groups_agree(run, 2, tmp_path, since=failures[0]["rejoined_at"]) >= 10
@@ -179,7 +207,7 @@ def test_survivors_go_on_at_once_when_a_group_dies_inside_the_allreduce(tmp_path
     (failure,) = summary["groups"][2]["failures"]
     assert_commit_soon_after(run, [0, 1], failure["down_at"])
     assert_kept_committing(run, summary, down=2)
-    assert_exactly_once(summary, 1000)
+    assert_exactly_once(run, summary, 1000)
     assert_groups_agree(run, 3, tmp_path)
 
 
@@ -202,7 +230,7 @@ def test_a_group_whose_allreduce_fails_releases_the_others_at_once(tmp_path):
         assert "step 150 not committed" in logs(run, g)
         steps = [c["step"] for c in commits(run, g)]
         assert steps == list(range(1, 301)), g  # (min_replicas 3: the three start together)
-    assert_exactly_once(summary, 300)
+    assert_exactly_once(run, summary, 300)
     assert_groups_agree(run, 3, tmp_path)
 
 
@@ -232,7 +260,7 @@ def test_a_group_killed_inside_the_cross_replica_allreduce(tmp_path, pipeline):
     (failure,) = summary["groups"][1]["failures"]
     back = [c["step"] for c in commits(run, 1) if c["time"] > failure["down_at"]]
     assert back[0] <= 300, back[:1]  # it caught up before group 0 went past its hold
-    assert_exactly_once(summary, 600)
+    assert_exactly_once(run, summary, 600)
     assert_groups_agree(run, 2, tmp_path)
 
 
@@ -257,7 +285,7 @@ def test_every_group_killed_at_once_resumes_from_the_newest_checkpoint(tmp_path)
     first = min(c["step"] for g in range(2) for c in commits(run, g) if c["time"] > killed)
     assert first == max(resumed) + 1, (first, resumed)
     # The steps after the checkpoint were trained twice in wall time, but the ledger holds them once.
-    assert_exactly_once(summary, 600)
+    assert_exactly_once(run, summary, 600)
     assert_groups_agree(run, 2, tmp_path, since=min(g["failures"][0]["down_at"] for g in summary["groups"]))
 
 
@@ -284,7 +312,7 @@ def test_an_injected_commit_failure_leaves_no_trace(tmp_path):
             assert train_losses(clean / f"replica{r}") == train_losses(failed / f"replica{r}")
             ref, got = final_state(clean / f"replica{r}", tmp_path), final_state(failed / f"replica{r}", tmp_path)
             assert differing(ref, got, "") == [], pipeline
-        assert_exactly_once(summary, 12)
+        assert_exactly_once(failed, summary, 12)
 
 
 def test_pec_under_the_layer_trains_as_sparse_dist_through_rollbacks_and_a_catch_up(tmp_path):
@@ -303,7 +331,7 @@ def test_pec_under_the_layer_trains_as_sparse_dist_through_rollbacks_and_a_catch
         runs[pipeline] = tmp_path / pipeline
         proc, summary = local(runs[pipeline], *args, f"--train.pipeline={pipeline}")
         check(proc)
-        assert_exactly_once(summary, 16)
+        assert_exactly_once(runs[pipeline], summary, 16)
     group1 = logs(runs["pec"], 1)
     assert "step 4 not committed" in group1 and "step 10 not committed" in group1
     assert "step 12 not committed" in group1 and "caught up with a peer at step" in group1
@@ -322,21 +350,30 @@ def test_a_vote_lost_after_the_peers_committed_does_not_train_the_batch_again(tm
     # Group 1 votes against step 10 after every collective of the step went through: group 0
     # commits it with group 1's batch in. Group 1 is then a step behind, catches up from group 0,
     # and takes from its state that its batch is trained: it goes on to the next one.
-    run = tmp_path / "run"
-    proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--train.steps=30", "--checkpoint.at_end=true",
-                          "--ft.min_replicas=2",
-                          "--fault.fail_commit_at=[10]", "--fault.replicas=[1]")
-    check(proc)
-    assert "step 10 not committed (injected commit failure at step 10)" in logs(run, 1)
-    assert "caught up with a peer at step 10" in logs(run, 1) and "not committed" not in logs(run, 0)
-    # Group 1 commits step 11 with the peers' state, its step-10 batch counted in: it trains the
-    # next one at step 12.
-    group1 = commits(run, 1)
-    assert [c["step"] for c in group1] == [*range(1, 10), *range(11, 31)] and all(c["trained"] for c in group1)
-    cursor = {c["step"]: c["next_batch"] for c in group1}
-    assert (cursor[9], cursor[11], cursor[12], cursor[30]) == (9, 10, 11, 29)
-    assert_exactly_once(summary, 30)
-    assert_groups_agree(run, 2, tmp_path)
+    # The prioritized pipeline under the same fault must end bitwise as the synchronous one: it
+    # read the next batch's rows before the vote that rewrote its tables with the peer's, so it
+    # must read them again.
+    runs = {}
+    for pipeline in ("sync", "prioritized"):
+        run = runs[pipeline] = tmp_path / pipeline
+        proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--train.steps=30", "--checkpoint.at_end=true",
+                              "--ft.min_replicas=2", "--run.log_every=1", f"--train.pipeline={pipeline}",
+                              "--fault.fail_commit_at=[10]", "--fault.replicas=[1]")
+        check(proc)
+        assert "step 10 not committed (injected commit failure at step 10)" in logs(run, 1)
+        assert "caught up with a peer at step 10" in logs(run, 1) and "not committed" not in logs(run, 0)
+        # Group 1 commits step 11 with the peers' state, its step-10 batch counted in: it trains the
+        # next one at step 12.
+        group1 = commits(run, 1)
+        assert [c["step"] for c in group1] == [*range(1, 10), *range(11, 31)] and all(c["trained"] for c in group1)
+        cursor = {c["step"]: c["next_batch"] for c in group1}
+        assert (cursor[9], cursor[11], cursor[12], cursor[30]) == (9, 10, 11, 29)
+        assert_exactly_once(run, summary, 30)
+        assert_groups_agree(run, 2, tmp_path)
+    for r in range(2):
+        reference, got = (runs[p] / f"replica{r}" for p in ("sync", "prioritized"))
+        assert train_losses(got) == train_losses(reference), r
+        assert differing(final_state(reference, tmp_path), final_state(got, tmp_path), "") == [], r
 
 
 def test_a_group_that_dies_at_its_vote_leaves_its_batch_counted_once(tmp_path):
@@ -353,7 +390,7 @@ def test_a_group_that_dies_at_its_vote_leaves_its_batch_counted_once(tmp_path):
     assert [c["step"] for c in commits(run, 0)] == list(range(1, 31))
     group1 = {c["step"]: c["next_batch"] for c in commits(run, 1)}
     assert group1[9] == 9 and 10 not in group1 and group1[30] == 29  # its step-10 batch is trained once
-    assert_exactly_once(summary, 30)
+    assert_exactly_once(run, summary, 30)
     assert_groups_agree(run, 2, tmp_path)
 
 
@@ -416,9 +453,6 @@ def test_groups_on_prepared_parquet_data_lose_no_sample_across_a_kill(tmp_path):
     # every epoch crosses them all); group 1 is killed once it has trained 10 batches of its
     # shard, catches up from group 0 and finishes. The reference is the files' own ids, read
     # with pyarrow: batch k holds positions 16k .. 16k+15 (mod 300), group g trains k = g, g+2, ...
-    from collections import Counter
-
-    from freescale.train.ledger import read_ledger
     from helpers.prepared import batches_of, train_ids, write_synthetic_prepared
 
     data = write_synthetic_prepared(tmp_path / "data", FT_LOCAL, [], n_train=300)
@@ -427,15 +461,5 @@ def test_groups_on_prepared_parquet_data_lose_no_sample_across_a_kill(tmp_path):
                           f"--data.path={data}", "--train.steps=300", "--checkpoint.at_end=true")
     check(proc)
     assert [f["cause"] for f in summary["groups"][1]["failures"]] == ["killed"]
-    assert_exactly_once(summary, 300)
     ids = train_ids(data)
-    trained = Counter()
-    for g in range(2):
-        records = read_ledger(run / f"replica{g}")
-        for r in records:
-            assert r["sample_ids"] == batches_of(ids, [r["batch"]], 16)[r["batch"]]
-            assert r["batch"] % 2 == g
-            trained[r["batch"]] += 1
-        batches = sorted(r["batch"] for r in records)
-        assert batches == list(range(g, 2 * len(batches) + g, 2))  # its shard, from the start, no gap
-    assert set(trained.values()) == {1}
+    assert_exactly_once(run, summary, 300, batch_ids=lambda k: batches_of(ids, [k], 16)[k])

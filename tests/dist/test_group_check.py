@@ -1,5 +1,6 @@
 """The ranks of a replica group check, before every vote and at the end of a run, that they hold
-the same trainer step, torchft step and data cursor (2 gloo ranks, torchft's manager faked)."""
+the same trainer step, torchft step and data cursor, and a step whose vote finds them apart is
+not committed (2 gloo ranks, torchft's manager faked)."""
 
 from types import SimpleNamespace
 
@@ -35,6 +36,37 @@ def _check(rank, world):
     layer, errors = _layer(10, 10, 5 + rank)
     with pytest.raises(RuntimeError, match=r"ranks of replica 1 disagree .*data cursor 5\.\.6\) at the end of the run"):
         layer.check_group("the end of the run")
+    # A step whose vote finds the ranks apart is not committed, on either rank: nothing is
+    # applied, what the step wrote goes back, torchft's step is put back to the trainer's.
+    vote, moved, rolled_back, applied, put_back = _vote(rank, world, next_batch=5)
+    assert (vote.stepped, vote.trained, moved, rolled_back, applied, put_back) == (True, True, True, 0, 1, [])
+    vote, moved, rolled_back, applied, put_back = _vote(rank, world, next_batch=5 + rank)
+    assert (vote.stepped, vote.trained, moved, rolled_back, applied, put_back) == (False, False, False, 1, 0, [10])
+
+
+def _vote(rank, world, next_batch: int) -> tuple:
+    """A whole step of a group of one replica (torchft's manager faked: it commits unless an
+    error was reported) on this rank holding data cursor ``next_batch``: (its vote, whether the
+    dense weights moved, the table side's rollbacks and applied steps, the step torchft's was put back to)."""
+    import torch
+
+    from freescale.ft.replica import NO_KEYS
+    from freescale.ft.row_exchange import RowSpace
+    from helpers.replica_stub import FakeManager, SideStub, SumAcrossThreads, stub_layer
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 2)
+    before = [p.detach().clone() for p in model.parameters()]
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    manager, side = FakeManager(participating=True, participants=1, step=10), SideStub(RowSpace((4,), (2,)))
+    layer = stub_layer(replica=0, replicas=1, manager=manager, pg=SumAcrossThreads(1).member(0), side=side,
+                       params=list(model.parameters()), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                       group=dist.group.WORLD, trainer_step=10, next_batch=next_batch)
+    plan = layer.exchange_rows(NO_KEYS, batch="its batch")
+    vote = layer.finish(plan, torch.zeros(plan.size))
+    moved = any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
+    return vote, moved, side.rolled_back, len(side.applied), [s["step"] for s in manager.loaded]
 
 
 def test_a_group_whose_ranks_disagree_fails_its_step():

@@ -107,3 +107,73 @@ def test_the_cursor_holds_every_groups_position_and_takes_its_own_from_a_state()
         other.load_state_dict({"next_batch": torch.tensor(1), "groups": torch.tensor([1, 1])})
     alone = DataCursor(Loader(), groups=1)
     assert "groups" not in alone.state_dict() and alone.next_batch == 4
+
+
+# `freescale local`'s check over hand-written run folders: two groups of two ranks, global batches
+# of 2 x 16 synthetic samples (whose ids are their stream positions); group 0 trained its
+# shard's batches 0, 2, 4, group 1 its 1, 3, and both are at the last step, 4.
+GROUP_BATCH = 32
+CURSORS = {0: 3, 1: 2}
+
+
+def _records() -> list[dict]:
+    return [{"step": p + 1, "replica": g, "rank": r, "batch": p * 2 + g,
+             "sample_ids": list(range((p * 2 + g) * GROUP_BATCH + 16 * r, (p * 2 + g) * GROUP_BATCH + 16 * (r + 1)))}
+            for g, n in CURSORS.items() for p in range(n) for r in range(2)]
+
+
+def _drop_last_sample(records):
+    records[0]["sample_ids"].pop()
+
+
+def _train_a_record_again_on_the_other_rank(records):
+    records.append({**records[0], "rank": 1, "step": 9})
+
+
+def _lose_a_batch(records):
+    records[:] = [r for r in records if r["batch"] != 4]
+
+
+def _record_a_batch_past_the_cursor(records):
+    records.append({**records[0], "batch": 6, "sample_ids": list(range(6 * GROUP_BATCH, 6 * GROUP_BATCH + 16))})
+
+
+def _write_run(root, records: list[dict], steps: dict) -> list:
+    from freescale.local import Group
+
+    groups = []
+    for g in CURSORS:
+        folder = root / f"replica{g}"
+        (folder / "ledger").mkdir(parents=True)
+        (folder / "ft_cursor.json").write_text(json.dumps({"step": steps[g], "next_batch": CURSORS[g], "time": 0}))
+        for r in range(2):
+            with open(folder / "ledger" / f"replica{g}-rank{r}.jsonl", "w") as f:
+                f.writelines(json.dumps(x) + "\n" for x in records if x["replica"] == g and x["rank"] == r)
+        groups.append(Group(replica=g, cmd=[], run_dir=str(folder), console="", env={}))
+    return groups
+
+
+@pytest.mark.parametrize("fault, steps, verdict", [
+    (None, {0: 4, 1: 4}, {}),
+    (_drop_last_sample, {0: 4, 1: 4}, {"samples_lost": 1}),
+    (_train_a_record_again_on_the_other_rank, {0: 4, 1: 4}, {"samples_repeated": 16}),
+    (_lose_a_batch, {0: 4, 1: 4}, {"samples_lost": 32}),
+    (_record_a_batch_past_the_cursor, {0: 4, 1: 4}, {"unexpected": 16}),
+    (None, {0: 4, 1: 3}, {"unfinished": [1], "complete": False}),
+], ids=["clean", "lost_sample", "repeated_sample", "missing_batch", "batch_past_cursor", "unfinished"])
+def test_the_launchers_ledger_check_says_no_to_every_fault_of_the_files(tmp_path, fault, steps, verdict):
+    from freescale.config import load_config
+    from freescale.local import ledger_check
+    from helpers.launch import REPO
+
+    records = _records()
+    if fault is not None:
+        fault(records)
+    groups = _write_run(tmp_path, records, steps)
+    cfg = load_config(str(REPO / "configs" / "ft_local.yaml"), ["--train.steps=4"])
+    assert cfg.data.batch_size * 2 == GROUP_BATCH
+    result = ledger_check(cfg, groups, nproc=2)
+    clean = {"samples_lost": 0, "samples_repeated": 0, "unexpected": 0, "unfinished": [], "complete": True,
+             "batches": 5}
+    assert result == clean | verdict
+    assert exactly_once(result) == (not verdict)

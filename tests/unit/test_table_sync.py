@@ -1,7 +1,8 @@
 """The sync of TorchRec's fused tables across replica groups: every group's changes since the
 last sync added up as one job would have applied them (row-wise Adagrad and SGD), rollbacks, a
 group that caught up in between; groups simulated in one process on real fbgemm kernels, their
-fused optimizer stepping in backward (the all-reduce is a sum of the groups' buffers)."""
+fused optimizer stepping in backward, their keys and values exchanged by their replica layers
+(``helpers.replica_stub``: a thread per group, the all-reduce a sum of the groups' buffers)."""
 
 import torch
 from fbgemm_gpu.split_embedding_configs import EmbOptimType
@@ -9,9 +10,9 @@ from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocati
 from fbgemm_gpu.split_table_batched_embeddings_ops_training import (ComputeDevice,
                                                                     SplitTableBatchedEmbeddingBagsCodegen)
 
-from freescale.ft.row_exchange import pack_keys, plan_rows
 from freescale.ft.rows import kernel_blocks
 from freescale.ft.table_sync import TableSync
+from helpers.replica_stub import FakeManager, SumAcrossThreads, in_threads, stub_layer
 
 LR, EPS = 0.1, 1e-8
 ROWS = (12, 5)  # two tables (blocks) of 4-wide rows
@@ -48,19 +49,25 @@ def train(sync: TableSync, block: int, rows: list[int], grads: torch.Tensor) -> 
 
 
 def sync_all(groups: list[TableSync], step: int, present=None, before_apply=lambda: None) -> None:
-    """One sync step across ``groups`` (``present``: the ones that take part; the others
-    catch up in it: their keys and values are computed, then zeroed, as the layer's all-reduce
-    does), then ``before_apply`` (the vote: a group catching up loads the peer's state), then
-    each applies the result."""
+    """One sync step across ``groups``, their keys and values exchanged by their replica layers
+    (``present``: the groups that take part; the others catch up in it, and what they send is
+    their layer's to decide), then ``before_apply`` (the vote: a group catching up loads the
+    peer's state), then each applies the result."""
     present = present or groups
-    keys = [g.keys(step) if g in present else g.keys(step)[:0] for g in groups]
-    counts = torch.tensor([len(k) for k in keys])
-    gathered = torch.stack([pack_keys(k, counts, i) for i, k in enumerate(keys)]).sum(0)
-    plan = plan_rows(groups[0].space, gathered)
-    total = torch.stack([g.values(plan) if g in present else g.values(plan).zero_() for g in groups]).sum(0)
+    hub = SumAcrossThreads(len(groups))
+    layers = [stub_layer(replica=i, replicas=len(groups), manager=FakeManager(g in present, len(present)),
+                         pg=hub.member(i), side=g) for i, g in enumerate(groups)]
+
+    def exchange(layer) -> tuple:
+        plan = layer.exchange_rows(layer.side.keys(step), batch="its batch")
+        values = layer.side.values(plan)
+        assert layer._allreduce(values)
+        return plan, values
+
+    exchanged = in_threads([lambda layer=layer: exchange(layer) for layer in layers])
     before_apply()
-    for g in groups:
-        g.apply(plan, total.clone())
+    for g, (plan, total) in zip(groups, exchanged):
+        g.apply(plan, total)
 
 
 def tables(sync: TableSync) -> list[torch.Tensor]:
@@ -204,6 +211,33 @@ def test_a_group_catching_up_after_its_own_batch_on_rows_the_peers_did_not_touch
 
     sync_all([a, b, late], step=10, present=[a, b], before_apply=catch_up)
     assert same(a, b) and same(a, late)
+
+
+def test_a_group_catching_up_after_its_own_batch_on_rows_the_peers_touched_adds_nothing():
+    # As above, but the batch the group ran before it learnt it catches up wrote rows the peers
+    # wrote too: its changes are in the union's rows, and the layer must send zeros for them.
+    # The reference is the sync of the peers alone.
+    def run(with_late: bool):
+        torch.manual_seed(0)
+        a, b, late = group(), group(), group()
+        train(a, 0, [4], torch.randn(1, 4))
+        train(b, 0, [4, 9], torch.randn(2, 4))
+        if not with_late:
+            sync_all([a, b], step=10)
+            return a
+        train(late, 0, [4, 9], torch.randn(2, 4))
+        sent, peers = a.state_dict(), group()
+        copy_tables(peers, a)
+
+        def catch_up():
+            copy_tables(late, peers)
+            late.load_state_dict(sent)
+
+        sync_all([a, b, late], step=10, present=[a, b], before_apply=catch_up)
+        assert same(a, b) and same(a, late)
+        return a
+
+    assert same(run(with_late=True), run(with_late=False))
 
 
 def test_averaging_the_copies_divides_a_change_by_the_groups():
