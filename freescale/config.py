@@ -233,6 +233,12 @@ class EmbeddingConfig:
 
 
 @dataclass
+class DenseConfig:
+    sharding: Literal["replicate", "fsdp"] = "replicate"
+    """How a replica group's ranks hold the dense part (train.pipeline sync and prioritized): replicate (every rank the whole task, its gradients all-reduced) or fsdp (FSDP2's fully_shard per block over the group's ranks: parameters, gradients and optimizer state sharded; across replica groups only each rank's shard of the gradients travels)."""
+
+
+@dataclass
 class TrainConfig:
     steps: Annotated[int, Positive] = 200
     """Total optimizer steps (a resumed run continues up to this count)."""
@@ -434,6 +440,8 @@ class ExperimentConfig:
     """What the model learns: ranking candidates or retrieving the next item."""
     embedding: EmbeddingConfig = field(default_factory=EmbeddingConfig)
     """Embedding tables: sharding and fused optimizer."""
+    dense: DenseConfig = field(default_factory=DenseConfig)
+    """The dense part: how a replica group's ranks hold it."""
     train: TrainConfig = field(default_factory=TrainConfig)
     """The training loop."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -723,6 +731,9 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
     if cfg.train.pipeline == "pec" and cfg.embedding.sharding != "row_wise":
         raise ConfigError(f"embedding.sharding: TorchRec's PEC modules (train.pipeline pec) shard row-wise only, "
                           f"got {cfg.embedding.sharding}")
+    if cfg.dense.sharding == "fsdp" and cfg.train.pipeline not in OWNED_PIPELINES:
+        raise ConfigError(f"dense.sharding: fsdp shards the dense part under train.pipeline "
+                          f"{' or '.join(OWNED_PIPELINES)}, got {cfg.train.pipeline} (use dense.sharding: replicate)")
     if ft.enable and cfg.train.pipeline == "base":
         raise ConfigError("ft.enable: the replica layer votes on the steps of train.pipeline sparse_dist, pec, "
                           "prioritized or sync, got base")

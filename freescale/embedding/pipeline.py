@@ -1,7 +1,7 @@
 """Training over FreeScale's own sharded tables: the synchronous reference and the prioritized pipeline.
 
 Both train the same model (``OwnedModel``: ``ShardedTables`` for the item, user and side-feature
-tables, the dense task replicated with its gradients all-reduced) on the same batches and
+tables, the dense task replicated or sharded over the ranks: ``dense.sharding``) on the same batches and
 give bitwise the same result on CPU; they differ in when the embedding exchanges happen.
 
 ``sync`` (the reference), per step: exchange the batch's ids, look up and exchange its rows,
@@ -89,6 +89,7 @@ from freescale.embedding.exchange import PendingRoute, Route, ShardedTables, cou
 from freescale.embedding.replicated import row_gradients
 from freescale.embedding.rows import RowMarks
 from freescale.ft.replica import COMMITTED, NullReplica
+from freescale.model.dense_sharding import DENSE_SHARDINGS, DenseReduction, Replicate
 from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, build_task, task_arguments, task_settings
 from freescale.model.side import SideSpec, pool_bags, side_specs
 from freescale.transport.base import HIGH, NORMAL
@@ -104,10 +105,15 @@ class OwnedModel(nn.Module):
     item feature's only the candidates (the history events' values are not sent)."""
 
     def __init__(self, tables: ShardedTables, task: nn.Module, user_features: bool,
-                 side: list[SideSpec] = ()) -> None:
+                 side: list[SideSpec] = (), dense_sharding=Replicate()) -> None:
         super().__init__()
         self.tables = tables
         self.task = task
+        self.dense_sharding = dense_sharding  # how the group's ranks hold ``task`` (``dense.sharding``)
+        # The task's parameters as the optimizer holds them (under fsdp, the shards: FSDP swaps
+        # the whole ones in for a block's forward and backward) and the names of its state.
+        self._task_params = dict(task.named_parameters())
+        self._task_keys = list(task.state_dict())
         self.user_features = user_features
         self.side = list(side)
         self.first_side_table = 2 if user_features else 1
@@ -156,7 +162,11 @@ class OwnedModel(nn.Module):
     # Checkpoints: the dense part as usual, the tables as row-sharded DTensors.
 
     def state_dict(self, *args, **kwargs) -> dict:
-        out = {f"task.{k}": v for k, v in self.task.state_dict().items()}
+        """(Read from the parameters the optimizer holds, not through ``task.state_dict()``: a
+        catch-up snapshot is taken in torchft's thread while this rank's forward may hold a
+        block's whole parameters, and FSDP's state-dict hook would swap the shards back in.)"""
+        out = {f"task.{k}": (self._task_params[k].detach() if k in self._task_params else self.task.get_buffer(k))
+               for k in self._task_keys}
         out.update({f"tables.{k}": v for k, v in self.tables.sharded_state().items()})
         return out
 
@@ -183,28 +193,9 @@ def build_owned_model(cfg, *, num_items: int, max_uih_len: int, topology, seed: 
                             init_std=cfg.embedding.init_std, seed=seed, device=device)
     settings = {**task_settings(cfg), "max_uih_len": max_uih_len}
     task = build_task(cfg.model, **settings, side_specs=side).to(device)
-    return OwnedModel(sharded, task, cfg.model.user_features, side)
-
-
-class DenseReduction:
-    """The dense gradients averaged over the replica: one flat all-reduce (the same on every
-    rank), started at once; ``wait`` puts the averages in the gradients."""
-
-    def __init__(self, params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-        self.params = params
-        self.grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        self.flat = torch.cat([g.reshape(-1) for g in self.grads])
-        self.world_size = dist.get_world_size(group)
-        self.work = dist.all_reduce(self.flat, group=group, async_op=True)
-
-    def wait(self) -> None:
-        self.work.wait()
-        self.flat /= self.world_size
-        at = 0
-        for p, g in zip(self.params, self.grads):
-            n = g.numel()
-            p.grad = self.flat[at:at + n].view_as(g).clone()
-            at += n
+    dense_sharding = DENSE_SHARDINGS[cfg.dense.sharding]
+    task = dense_sharding.shard(task, topology.pg)
+    return OwnedModel(sharded, task, cfg.model.user_features, side, dense_sharding)
 
 
 @dataclass
@@ -323,8 +314,9 @@ class OwnedTablesPipeline:
         return loss, out, grads
 
     def _reduce_dense(self):
-        """Start averaging the dense gradients over the replica's ranks."""
-        return DenseReduction(self.dense_params, self.group)
+        """Start averaging the dense gradients over the replica's ranks (as ``dense.sharding``
+        says: ``freescale.model.dense_sharding``)."""
+        return self.model.dense_sharding.reduction(self.dense_params, self.group)
 
     def _dense_step(self, reduction: "DenseReduction | None" = None) -> None:
         reduction = reduction or self._reduce_dense()

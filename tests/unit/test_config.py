@@ -91,6 +91,11 @@ def test_numbers_in_exponent_form_without_a_dot_are_numbers():
         (["--data.synthetic.num_labels=3"], "data.synthetic.num_labels: expected a value in [1, 2], got 3"),
         (["--transport.lanes=3"], "transport.lanes: expected one of auto, 1, 2; got 3"),
         (["--transport.lanes=0"], "transport.lanes: expected one of auto, 1, 2; got 0"),
+        (["--dense.sharding=fsdp"], "dense.sharding: fsdp shards the dense part under train.pipeline sync or "
+         "prioritized, got sparse_dist"),
+        (["--dense.sharding=fsdp", "--train.pipeline=pec"], "dense.sharding: fsdp shards the dense part under "
+         "train.pipeline sync or prioritized, got pec"),
+        (["--dense.sharding=zero"], "dense.sharding: expected one of replicate, fsdp; got 'zero'"),
         (["--transport.lanes=true"], "transport.lanes: expected one of auto, 1, 2; got True"),
         (["--transport.lanes=1.0"], "transport.lanes: expected one of auto, 1, 2; got 1.0"),
         (["--model.kind=hstu", "--task.kind=retrieval", "--task.window_stride=5"],
