@@ -12,10 +12,11 @@ own, ``freescale.ft.table_sync`` for TorchRec's). A step:
 3. ``exchange_rows``: the step's header and row keys across the groups
    (``freescale.ft.row_exchange``): which groups take part, the data cursor each will hold if
    the step commits, and the union of the rows they contribute;
-4. ``finish``: the dense gradients (already averaged over the group's ranks) averaged over
-   the groups that take part (one that catches up contributes zeros), the row values summed
-   over the union, then the vote. Before it, the ranks of the group check that they hold the
-   same step and cursor (a tiny all-reduce); a mismatch fails the step. Committed: a group
+4. ``finish``: the dense gradients (already averaged over the group's ranks; each rank's
+   shard of them under ``dense.sharding: fsdp``) averaged over the groups that take part (one
+   that catches up contributes zeros), the row values summed over the union, then the vote.
+   Before it, the ranks of the group check that they hold the same step and cursor (a tiny
+   all-reduce); a mismatch fails the step. Committed: a group
    that caught up loads the peer's state now, every rank of the group at once (group-atomic:
    a failed vote drops it on every rank), the table side applies the summed rows, the dense
    optimizer steps, and the other groups' cursors are recorded. Not committed (a peer died,
@@ -65,6 +66,7 @@ from freescale.device import CopyEngine, staged_on_host
 from freescale.ft.catchup import load_transferred, transfer_state
 from freescale.ft.row_exchange import Header, RowPlan, empty_plan, pack_header, pack_keys, plan_rows, read_header
 from freescale.io import write_json_atomic
+from freescale.model.dense_sharding import local_gradients
 from freescale.profile.timeline import phase
 
 log = logging.getLogger("freescale")
@@ -274,14 +276,22 @@ class ReplicaLayer:
         return plan_rows(self.side.space, gathered)
 
     def reduce_dense(self, params: list) -> None:
-        """The gradients of ``params`` (the group's mean) averaged over the groups that take part."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        """The gradients of ``params`` (the group's mean) averaged over the groups that take part,
+        as this rank holds them (``local_gradients``): under ``dense.sharding: fsdp`` its shard
+        alone, which rank r of every group holds alike (the groups shard the same model over the
+        same number of ranks), so only 1/N of the gradient crosses between groups per rank.
+
+        (FSDP2's ``set_all_reduce_hook``, as torchft's FSDP test uses it, would run this inside
+        backward, once per block: before the step's header under ``sync``, whose ledger entry
+        and participation must come before the first cross-group collective. One all-reduce of
+        the shards here, in the step's order, sends the same bytes.)"""
+        grads = local_gradients(params)
         flat = torch.cat([g.reshape(-1) for g in grads])
         if self._allreduce(flat):
             flat /= max(1, self.manager.num_participants())
         at = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[at:at + g.numel()].view_as(g)
+        for g in grads:
+            g.copy_(flat[at:at + g.numel()].view_as(g))
             at += g.numel()
 
     def finish(self, plan: RowPlan, values: torch.Tensor) -> Vote:
