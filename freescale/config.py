@@ -734,6 +734,10 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
     if cfg.dense.sharding == "fsdp" and cfg.train.pipeline not in OWNED_PIPELINES:
         raise ConfigError(f"dense.sharding: fsdp shards the dense part under train.pipeline "
                           f"{' or '.join(OWNED_PIPELINES)}, got {cfg.train.pipeline} (use dense.sharding: replicate)")
+    if cfg.dense.sharding == "fsdp" and cfg.task.kind == "retrieval":
+        raise ConfigError("dense.sharding: fsdp needs every rank of a group to run the same layers at every step; "
+                          "task.kind retrieval skips HSTU's encoder on a rank whose batch has no history "
+                          "(use dense.sharding: replicate)")
     if ft.enable and cfg.train.pipeline == "base":
         raise ConfigError("ft.enable: the replica layer votes on the steps of train.pipeline sparse_dist, pec, "
                           "prioritized or sync, got base")

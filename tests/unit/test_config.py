@@ -96,6 +96,8 @@ def test_numbers_in_exponent_form_without_a_dot_are_numbers():
         (["--dense.sharding=fsdp", "--train.pipeline=pec"], "dense.sharding: fsdp shards the dense part under "
          "train.pipeline sync or prioritized, got pec"),
         (["--dense.sharding=zero"], "dense.sharding: expected one of replicate, fsdp; got 'zero'"),
+        (["--dense.sharding=fsdp", "--train.pipeline=sync", "--model.kind=hstu", "--task.kind=retrieval"],
+         "dense.sharding: fsdp needs every rank of a group to run the same layers at every step; task.kind retrieval"),
         (["--transport.lanes=true"], "transport.lanes: expected one of auto, 1, 2; got True"),
         (["--transport.lanes=1.0"], "transport.lanes: expected one of auto, 1, 2; got 1.0"),
         (["--model.kind=hstu", "--task.kind=retrieval", "--task.window_stride=5"],
