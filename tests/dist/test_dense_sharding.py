@@ -2,16 +2,20 @@
 part and its optimizer state sharded per block, ``prioritized`` still bit for bit ``sync``, a
 run's checkpoints those of ``replicate``, a resume bit for bit, an export of the whole model."""
 
+import copy
 import shutil
 import warnings
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.nn as nn
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from freescale.model.dense_sharding import DenseReduction, FullyShard, ShardedReduction
 from freescale.profile.timeline import NullTimeline
 from freescale.train.verify import snapshot
 from helpers.launch import FAST, QUICKSTART, check, freescale, torchrun
@@ -107,6 +111,38 @@ def _prioritized_against_sync(rank, world):
 
 def test_prioritized_with_fsdp_is_bitwise_equal_to_sync_with_fsdp():
     run_ranks(2, _prioritized_against_sync)
+
+
+class _HalfUsed(nn.Module):
+    """Two blocks, the second never used: its parameters get no gradient in backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 6), nn.Linear(6, 6)])
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.out(self.layers[0](x)).sum()
+
+
+def _unused_parameters(rank, world):
+    torch.manual_seed(0)
+    replicated = _HalfUsed()
+    sharded = FullyShard().shard(copy.deepcopy(replicated), dist.group.WORLD)
+    x = torch.randn(3, 4) + rank
+    replicated(x).backward()
+    DenseReduction(list(replicated.parameters()), dist.group.WORLD).wait()
+    sharded(x).backward()
+    ShardedReduction(list(sharded.parameters()), dist.group.WORLD).wait()
+    for (name, ref), (_, got) in zip(replicated.named_parameters(), sharded.named_parameters()):
+        assert got.grad is not None and torch.equal(got.grad.full_tensor(), ref.grad), name
+    assert not replicated.layers[1].weight.grad.any()  # (the unused block's gradient: zeros under replicate)
+
+
+def test_a_parameter_no_block_used_gets_a_zero_gradient_as_under_replicate():
+    # So the optimizer steps the same parameters under both (Adam moves a parameter with a zero
+    # gradient once it has momentum).
+    run_ranks(2, _unused_parameters)
 
 
 def _checkpoint(path):
