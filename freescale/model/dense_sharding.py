@@ -122,10 +122,5 @@ def local_gradients(params: list[nn.Parameter]) -> list[torch.Tensor]:
     return out
 
 
-def local_numel(params: list[nn.Parameter]) -> int:
-    """Elements of ``params`` this rank holds."""
-    return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params)
-
-
 DENSE_SHARDINGS = {"replicate": Replicate(), "fsdp": FullyShard()}
 """The shardings of the dense part, by ``dense.sharding``."""
