@@ -22,6 +22,11 @@ TORCHFT_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
 """Address of the torchft lighthouse a replica group reports to (``http://HOST:PORT``; torchft's
 own name for it); set by a launcher (``freescale.torchx``), it takes precedence over
 ``ft.lighthouse``."""
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""``1``: torchrun gives each start of its ranks a store of their own. Set by a launcher whose
+torchrun restarts a group in place (``freescale.torchx``): torchrun's shared store keeps the
+previous start's keys, and the restarted ranks' gloo group then dials the dead ranks' addresses
+(seen with torch 2.13: every restart failed in ``connectFullMesh``)."""
 
 
 def get_int(name: str, default: int) -> int:

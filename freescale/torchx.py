@@ -16,7 +16,8 @@ left). The other groups keep training meanwhile; nothing here waits for the rest
 Each group gets what ``freescale local`` gives it: ``torchrun --standalone`` with N ranks,
 ``freescale train`` with the config and its overrides, ``ft.enable``, ``ft.num_replicas=R``,
 ``ft.replica_id=r``, ``run.dir=<run>/replica<r>`` and one thread per rank unless told
-otherwise; the lighthouse's address comes in torchft's ``TORCHFT_LIGHTHOUSE``. The lighthouse
+otherwise, and a rendezvous store per start of its ranks (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``,
+without which torchrun's in-place restart fails); the lighthouse's address comes in torchft's ``TORCHFT_LIGHTHOUSE``. The lighthouse
 is role 0 (``freescale lighthouse``), bound to ``lighthouse_bind`` and dialled at
 ``lighthouse_host`` (both loopback by default: one host). On a cluster it must bind an address
 the groups reach (``0.0.0.0``), and ``lighthouse_host=role0`` dials the host the scheduler put
@@ -37,7 +38,7 @@ from typing import Dict, List, Optional
 import torchx.specs as specs
 
 from freescale.config import ConfigError, load_config
-from freescale.env import TORCHFT_LIGHTHOUSE
+from freescale.env import TORCH_DISABLE_SHARE_RDZV_TCP_STORE, TORCHFT_LIGHTHOUSE
 
 ROLE0_HOST = "role0"
 """``lighthouse_host``'s value for the host the scheduler placed the lighthouse role on."""
@@ -135,7 +136,7 @@ def replica_groups(
             image=image,
             entrypoint="bash",
             args=["-c", f"export {TORCHFT_LIGHTHOUSE}=http://{host}:{lighthouse_port}; exec {shlex.join(train)}"],
-            env={"OMP_NUM_THREADS": "1", **env},
+            env={"OMP_NUM_THREADS": "1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE: "1", **env},
             resource=specs.resource(cpu=cpu, gpu=gpu, memMB=memMB, h=h),
             max_retries=max_retries,
             retry_policy=specs.RetryPolicy.REPLICA,
