@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
 from freescale.device import CopyEngine, staged_on_host
+from freescale.env import TORCHFT_LIGHTHOUSE
 from freescale.ft.catchup import load_transferred, transfer_state
 from freescale.ft.row_exchange import Header, RowPlan, empty_plan, pack_header, pack_keys, plan_rows, read_header
 from freescale.io import write_json_atomic
@@ -69,7 +70,7 @@ from freescale.profile.timeline import phase
 
 log = logging.getLogger("freescale")
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+LIGHTHOUSE_ENV = TORCHFT_LIGHTHOUSE
 CURSOR_FILE = "ft_cursor.json"
 COMMITS_FILE = "ft_commits.jsonl"
 NO_KEYS = torch.zeros(0, dtype=torch.int64)
