@@ -57,9 +57,9 @@ def test_under_the_replica_layer_each_pipeline_is_a_subclass_of_the_plain_one_ch
     for name, cls in REPLICATED.items():
         assert pipeline_class(name, True) is cls and pipeline_class(name, False) is PIPELINES[name]
         plain = PIPELINES["sparse_dist" if name == "pec" else name]  # (ReplicaPEC: ReplicaSparseDist's over PEC's modules)
-        assert issubclass(cls, plain) and cls.table_kind is PIPELINES[name].table_kind, name
+        assert cls is not plain and issubclass(cls, plain) and cls.table_kind is PIPELINES[name].table_kind, name
     for name, cls in REPLICATED_SCHEDULES.items():
-        assert issubclass(cls, schedules.PIPELINES[name]), name
+        assert cls is not schedules.PIPELINES[name] and issubclass(cls, schedules.PIPELINES[name]), name
     with pytest.raises(ValueError, match="base does not run under the replica layer"):
         pipeline_class("base", True)
     # No schedule asks whether the layer is there: its variant overrides the hooks instead.
