@@ -43,7 +43,15 @@ peers' step with zeros and loads their state); if none is (every group was lost)
 step pass, loads the newest checkpoint of the job and tries again, so the groups that come
 back meet on the newest state and go on from there.
 
-Off (``ft.enable: false``) the trainer holds a ``NullReplica``: every step commits and trains.
+The layer drives torchft's parts but does not make them: ``build_manager`` makes the
+``Manager`` and its process group, with the declared faults' wrappers around them
+(``freescale.ft.faults``), and ``build_replica`` hands them to ``ReplicaLayer`` (a test hands
+it fakes: ``tests/helpers/fake_manager.py``). The pipelines that call ``exchange_rows`` and
+``finish`` are the replicated variants (``freescale.train.pipelines.REPLICATED``), chosen when
+``ft.enable`` is on; no plain pipeline asks whether the layer is there.
+
+Off (``ft.enable: false``) the trainer holds a ``NullReplica`` (the trainer's calls: ``join``,
+``committed``, ``check_group``, ``close``; every step commits and trains).
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ LIGHTHOUSE_ENV = TORCHFT_LIGHTHOUSE
 CURSOR_FILE = "ft_cursor.json"
 COMMITS_FILE = "ft_commits.jsonl"
 NO_KEYS = torch.zeros(0, dtype=torch.int64)
+STATE_KEY = "freescale"  # the layer's state among the manager's registered state dicts
 
 
 @dataclass(frozen=True)
@@ -147,17 +156,16 @@ class ReplicaFiles:
 
 
 class ReplicaLayer:
-    """One rank's part of the replica layer (see the module docstring)."""
+    """One rank's part of the replica layer (see the module docstring).
+
+    ``manager`` and ``pg`` are torchft's ``Manager`` and the process group it was built over
+    (``build_manager``: the declared faults' wrappers already around them); the layer registers
+    its state with the manager and drives both, and a test hands it fakes."""
 
     enabled = True
 
-    def __init__(self, cfg, topo, state, dense_params: list, optimizer, side, faults, files: ReplicaFiles) -> None:
-        os.environ.setdefault("RUST_LOG", "warn")  # torchft's managers log every quorum and vote at info
-        from torchft import Manager, ProcessGroupGloo
-        from torchft.checkpointing import HTTPTransport
-
-        from freescale.ft.faults import wrap_manager, wrap_process_group, wrap_transport
-
+    def __init__(self, cfg, topo, state, dense_params: list, optimizer, side, files: ReplicaFiles, *,
+                 manager, pg) -> None:
         ft = cfg.ft
         self.cfg = ft
         self.replicas = ft.num_replicas
@@ -180,25 +188,9 @@ class ReplicaLayer:
         # (step, batch): called with this group's batch before it enters the step's first
         # cross-replica collective (from then on the peers may commit it)
         self.on_contribute: Callable[[int, object], None] | None = None
-        timeout = timedelta(seconds=ft.timeout_s)
-        self.pg = wrap_process_group(ProcessGroupGloo(timeout=timeout), faults, lambda: self._step)
-        manager = Manager(
-            pg=self.pg,
-            load_state_dict=self._receive,
-            state_dict=self._snapshot,
-            min_replica_size=1,  # ft.min_replicas is checked at the vote, counting a group that catches up
-            use_async_quorum=True,
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-            connect_timeout=timeout,
-            rank=topo.rank,
-            world_size=topo.world_size,
-            lighthouse_addr=os.environ.get(LIGHTHOUSE_ENV) or ft.lighthouse,
-            replica_id=f"replica{ft.replica_id}",
-            checkpoint_transport=wrap_transport(HTTPTransport(timeout=timeout, num_chunks=0), faults),
-            init_sync=False,  # every group draws the same initial weights from run.seed
-        )
-        self.manager = wrap_manager(manager, faults, self._members, self.replicas)
+        self.pg = pg
+        self.manager = manager
+        manager.register_state_dict_fn(STATE_KEY, self._receive, self._snapshot)
         self._put_back_step()
 
     @property
@@ -476,8 +468,42 @@ class ReplicaLayer:
         self.manager.shutdown(wait=False)
 
 
+def build_manager(cfg, topo, faults, *, step: Callable[[], int], groups_in_step: Callable[[], int]):
+    """torchft's ``Manager`` of this rank and its process group (``ProcessGroupGloo``, joining
+    rank ``topo.rank`` of every group), each inside the wrapper of the faults declared there
+    (``freescale.ft.faults``; the part itself when none is): ``(manager, pg)``. The wrappers
+    read ``step`` (the step being attempted) and ``groups_in_step`` (the groups in its quorum)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's managers log every quorum and vote at info
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing import HTTPTransport
+
+    from freescale.ft.faults import wrap_manager, wrap_process_group, wrap_transport
+
+    ft = cfg.ft
+    timeout = timedelta(seconds=ft.timeout_s)
+    pg = wrap_process_group(ProcessGroupGloo(timeout=timeout), faults, step)
+    manager = Manager(
+        pg=pg,
+        load_state_dict=None,  # (the layer registers its state: ReplicaLayer)
+        state_dict=None,
+        min_replica_size=1,  # ft.min_replicas is checked at the vote, counting a group that catches up
+        use_async_quorum=True,
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+        connect_timeout=timeout,
+        rank=topo.rank,
+        world_size=topo.world_size,
+        lighthouse_addr=os.environ.get(LIGHTHOUSE_ENV) or ft.lighthouse,
+        replica_id=f"replica{ft.replica_id}",
+        checkpoint_transport=wrap_transport(HTTPTransport(timeout=timeout, num_chunks=0), faults),
+        init_sync=False,  # every group draws the same initial weights from run.seed
+    )
+    return wrap_manager(manager, faults, groups_in_step, ft.num_replicas), pg
+
+
 def build_replica(cfg, topo, state, dense_params, optimizer, side, faults, run_dir: str):
-    """The replica layer when ``ft.enable`` is on, else a ``NullReplica``."""
+    """The replica layer over torchft's parts (``build_manager``) when ``ft.enable`` is on, else
+    a ``NullReplica``."""
     if not cfg.ft.enable:
         return NullReplica()
     if "MASTER_ADDR" not in os.environ:
@@ -485,4 +511,7 @@ def build_replica(cfg, topo, state, dense_params, optimizer, side, faults, run_d
 
         raise ConfigError("ft.enable: a replica group runs under torchrun (one torchrun job per group; "
                           "`freescale local` starts them on one host)")
-    return ReplicaLayer(cfg, topo, state, dense_params, optimizer, side, faults, ReplicaFiles(run_dir))
+    layer: ReplicaLayer | None = None  # the fault wrappers ask it, once built, where the step is
+    manager, pg = build_manager(cfg, topo, faults, step=lambda: layer._step, groups_in_step=lambda: layer._members())
+    layer = ReplicaLayer(cfg, topo, state, dense_params, optimizer, side, ReplicaFiles(run_dir), manager=manager, pg=pg)
+    return layer

@@ -1,6 +1,7 @@
 """The ranks of a replica group check, before every vote and at the end of a run, that they hold
 the same trainer step, torchft step and data cursor, and a step whose vote finds them apart is
-not committed (2 gloo ranks, torchft's manager faked)."""
+not committed (2 gloo ranks, torchft's manager faked: ``helpers.fake_manager``, and
+``helpers.replica_stub`` for a whole step)."""
 
 from types import SimpleNamespace
 
@@ -11,29 +12,32 @@ from helpers.spawn import run_ranks
 
 
 def _layer(trainer_step: int, manager_step: int, next_batch: int):
-    from freescale.ft.replica import ReplicaLayer
+    from freescale.config import ExperimentConfig, FTConfig
+    from freescale.ft.replica import ReplicaFiles, ReplicaLayer
+    from helpers.fake_manager import FakeManager, FakeProcessGroup, FakeTables
 
-    layer = ReplicaLayer.__new__(ReplicaLayer)  # the check alone: no manager server, no lighthouse
-    errors = []
-    layer.manager = SimpleNamespace(current_step=lambda: manager_step, report_error=errors.append,
-                                    errored=lambda: errors[-1] if errors else None)
-    layer.state = SimpleNamespace(parts={"trainer": SimpleNamespace(step=trainer_step),
-                                         "data": SimpleNamespace(next_batch=next_batch)})
-    layer.group, layer.replica = dist.group.WORLD, 1
-    return layer, errors
+    pg = FakeProcessGroup(2)
+    manager = FakeManager(pg)  # torchft's manager faked: no manager server, no lighthouse
+    state = SimpleNamespace(parts={"trainer": SimpleNamespace(step=trainer_step),
+                                   "data": SimpleNamespace(next_batch=next_batch)})
+    cfg = ExperimentConfig(ft=FTConfig(enable=True, num_replicas=2, replica_id=1))
+    layer = ReplicaLayer(cfg, SimpleNamespace(rank=dist.get_rank(), pg=dist.group.WORLD), state, [],
+                         SimpleNamespace(param_groups=[]), FakeTables(), ReplicaFiles("unused"), manager=manager, pg=pg)
+    manager._step = manager_step  # (the layer put it back to the trainer's)
+    return layer, manager
 
 
 def _check(rank, world):
-    layer, errors = _layer(10, 10, 5)
+    layer, manager = _layer(10, 10, 5)
     layer._check_group()
-    assert errors == []
+    assert manager.errored() is None
     layer.check_group("the end of the run")
     # Rank 1 took a peer's state that rank 0 did not: torchft's step and the trainer's differ.
-    layer, errors = _layer(10, 20 if rank else 10, 5)
+    layer, manager = _layer(10, 20 if rank else 10, 5)
     layer._check_group()
-    assert len(errors) == 1 and "torchft step 10..20" in str(errors[0])
+    assert "torchft step 10..20" in str(manager.errored())
     # A data cursor that differs fails too, and at the end of a run it raises.
-    layer, errors = _layer(10, 10, 5 + rank)
+    layer, manager = _layer(10, 10, 5 + rank)
     with pytest.raises(RuntimeError, match=r"ranks of replica 1 disagree .*data cursor 5\.\.6\) at the end of the run"):
         layer.check_group("the end of the run")
     # A step whose vote finds the ranks apart is not committed, on either rank: nothing is
