@@ -25,7 +25,9 @@ own, ``freescale.ft.table_sync`` for TorchRec's). A step:
 A cross-replica collective that fails aborts the process group at once (gloo's abort closes
 its connections), so a peer blocked on this group in the same collective is released rather
 than left waiting for a group that gave up; the next quorum rebuilds the group without the
-dead replica.
+dead replica. A group that hangs rather than dies keeps its sockets open and says nothing: the
+hang watchdog (``freescale.ft.watchdog``) gives the step's collectives up once the lighthouse
+has not heard the group for ``ft.hang_timeout_s``, and they fail the same way.
 
 A batch that enters a step is in the model as soon as its contribution reaches the peers: they
 may commit the step even if this group dies before its own vote. So the layer hands the batch
@@ -134,10 +136,12 @@ class ReplicaFiles:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{self.cursor_path}: unreadable data cursor ({e})") from e
 
-    def write(self, step: int, next_batch: int, trained: bool) -> None:
+    def write(self, step: int, next_batch: int, trained: bool, blocked_s: float = 0.0) -> None:
+        """``blocked_s``: the time the group waited for the others since its last commit."""
         now = time.time()
         with open(self.commits_path, "a") as f:
-            f.write(json.dumps({"step": step, "next_batch": next_batch, "trained": trained, "time": now}) + "\n")
+            f.write(json.dumps({"step": step, "next_batch": next_batch, "trained": trained, "time": now,
+                                "blocked_s": round(blocked_s, 6)}) + "\n")
         self.write_progress(step, next_batch, now)
 
     def write_progress(self, step: int, next_batch: int, now: float | None = None) -> None:
@@ -156,6 +160,7 @@ class ReplicaLayer:
         from torchft.checkpointing import HTTPTransport
 
         from freescale.ft.faults import wrap_manager, wrap_process_group, wrap_transport
+        from freescale.ft.watchdog import build_watchdog
 
         ft = cfg.ft
         self.cfg = ft
@@ -176,11 +181,14 @@ class ReplicaLayer:
         self._header: Header | None = None
         self._stash: dict | None = None  # a peer's state, until the group's vote
         self._joining = False
+        self._blocked_s = 0.0  # the step's time waiting for the other groups (quorum, collectives)
         # (step, batch): called with this group's batch before it enters the step's first
         # cross-replica collective (from then on the peers may commit it)
         self.on_contribute: Callable[[int, object], None] | None = None
         timeout = timedelta(seconds=ft.timeout_s)
-        self.pg = wrap_process_group(ProcessGroupGloo(timeout=timeout), faults, lambda: self._step)
+        lighthouse = os.environ.get(LIGHTHOUSE_ENV) or ft.lighthouse
+        self.watchdog = build_watchdog(ft, lighthouse)  # a hung group's collectives given up in seconds
+        self.pg = self.watchdog.watch(wrap_process_group(ProcessGroupGloo(timeout=timeout), faults, lambda: self._step))
         manager = Manager(
             pg=self.pg,
             load_state_dict=self._receive,
@@ -192,7 +200,7 @@ class ReplicaLayer:
             connect_timeout=timeout,
             rank=topo.rank,
             world_size=topo.world_size,
-            lighthouse_addr=os.environ.get(LIGHTHOUSE_ENV) or ft.lighthouse,
+            lighthouse_addr=lighthouse,
             replica_id=f"replica{ft.replica_id}",
             checkpoint_transport=wrap_transport(HTTPTransport(timeout=timeout, num_chunks=0), faults),
             init_sync=False,  # every group draws the same initial weights from run.seed
@@ -242,7 +250,9 @@ class ReplicaLayer:
     def wait_quorum(self) -> int:
         """Wait for the step's quorum (and, for a group catching up, the peer's state); the
         step's number (ahead of the trainer's when catching up)."""
+        waited = time.perf_counter()
         self.manager.wait_quorum()
+        self._blocked_s += time.perf_counter() - waited
         self._step = self.manager.current_step() + 1
         return self._step
 
@@ -328,7 +338,8 @@ class ReplicaLayer:
         if step != self.manager.current_step():
             raise RuntimeError(f"step {step} but torchft's manager is at {self.manager.current_step()}")
         if self.rank == 0:
-            self.files.write(step, next_batch, trained)
+            self.files.write(step, next_batch, trained, self._blocked_s)
+        self._blocked_s = 0.0
 
     # Parts of a step -----------------------------------------------------------------------
 
@@ -341,6 +352,7 @@ class ReplicaLayer:
             tensor.zero_()
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
+        waited = time.perf_counter()
         try:
             # A device tensor goes through pinned host memory by the copy engine (no kernel of
             # ours on the GPU): the groups' gloo process group sums host memory.
@@ -349,6 +361,8 @@ class ReplicaLayer:
             self.manager.report_error(e)
             self._abort(e)
             return False
+        finally:
+            self._blocked_s += time.perf_counter() - waited
         return True
 
     def _copies(self, tensor: torch.Tensor) -> CopyEngine | None:
@@ -472,6 +486,7 @@ class ReplicaLayer:
         return self.finish(plan, torch.zeros(plan.size))
 
     def close(self) -> None:
+        self.watchdog.close()
         self.manager.shutdown(wait=False)
 
 

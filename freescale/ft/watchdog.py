@@ -1,0 +1,257 @@
+"""The hang watchdog: a replica group that stops answering is given up in seconds, not after
+the collective timeout.
+
+A group that crashes closes its sockets, and the survivors' cross-replica collective with it
+fails at once. A group that hangs (a stuck kernel, a frozen host, a swap storm, SIGSTOP) keeps
+them open and says nothing: the survivors would wait in the collective for ``ft.timeout_s``.
+A shorter timeout trades that stall for false alarms on slow steps; a heartbeat has no such
+trade: every group's torchft manager (rank 0 of the group) beats to the lighthouse every
+100 ms from a thread of torchft's own runtime, which beats through a slow step and stops only
+when the process stops.
+
+The protocol, one watchdog (a thread) per rank:
+
+1. Ten times per ``ft.hang_timeout_s`` it reads the lighthouse's status page (``GET /status``:
+   the id and members of the last quorum it formed, and how long ago it heard from each
+   group: ``parse_status``).
+2. ``verdict``: if that quorum is the one the rank's cross-replica process group was built for
+   and a member has not been heard from for ``ft.hang_timeout_s``, the member is hung; if the
+   lighthouse has formed a newer quorum without this group, the others went on without it.
+   Either way the watchdog *gives the quorum up*.
+3. A collective's wait on a quorum given up raises ``HungReplica``, which the replica layer
+   takes as any failed collective: it reports the error and aborts the process group
+   (``ReplicaLayer._allreduce``); the step is not committed and is trained again in the next
+   quorum, which the lighthouse forms without the hung group (its own heartbeat timeout,
+   500 ms, has passed by then). The collective itself stays behind in gloo's thread (gloo's
+   abort does not interrupt an operation in flight): it ends when the hung group wakes or at
+   its timeout, and writes only into the abandoned step's tensors.
+4. The vote fences a group that was itself stopped. torchft's vote asks the process group for
+   an error (``errored()``), and the watched group answers one while its quorum is given up,
+   or when the watchdog's own thread did not run for more than half of ``ft.hang_timeout_s``
+   (the process was stopped: the others may have given its step up, and its own collective
+   may even complete as it wakes, the peers' abandoned halves being still in flight). So a
+   group that wakes fails the step it was stopped in, joins the next quorum behind the others
+   and catches up from one of them. Voting against a step is always safe: when the peers did
+   commit it with this group's batch, the catch-up says so (``ReplicaLayer._trained_by_peers``).
+
+Every failed vote makes torchft's next quorum a new one (its id goes up), so a quorum given up
+is never built on again.
+
+Costs: one HTTP request to the lighthouse per rank every ``ft.hang_timeout_s / 10``; a false
+alarm (heartbeats late by ``ft.hang_timeout_s`` on an overloaded host, or a thread of the rank
+kept off the interpreter for half of it) costs one step trained again. Not covered: some ranks
+of a group hung while its rank 0 keeps beating, and a hang while the survivors build the
+quorum's process group or fetch a peer's state from the hung group (they wait for
+``ft.timeout_s``, as before).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from torch.distributed import Work
+from torchft.process_group import ProcessGroupWrapper
+
+log = logging.getLogger("freescale")
+
+POLLS_PER_TIMEOUT = 10  # status reads per ft.hang_timeout_s
+
+
+class HungReplica(RuntimeError):
+    """A cross-replica collective given up: a member of its quorum is hung, or this group was."""
+
+
+@dataclass(frozen=True)
+class LighthouseStatus:
+    """What the lighthouse's status page says: its last quorum and the age of every heartbeat."""
+
+    quorum_id: int | None
+    """The last quorum formed (None: none yet)."""
+    members: tuple[str, ...]
+    """Its members' replica ids (``replica<g>:<uuid>``)."""
+    heard: dict[str, float]
+    """Replica id -> seconds since its last heartbeat (every group the lighthouse ever heard)."""
+
+
+_QUORUM = re.compile(r"Previous quorum id:\s*(\d+)")
+_MEMBER = re.compile(r'<div class="member[^>]*>\s*<b>([^<]+)</b>')
+_HEARD = re.compile(r"([^\s<>]+): seen ([0-9.eE+-]+)s ago")
+
+
+def parse_status(page: str) -> LighthouseStatus:
+    """torchft's lighthouse status page (``templates/status.html``), read."""
+    quorum = _QUORUM.search(page)
+    return LighthouseStatus(quorum_id=int(quorum.group(1)) if quorum else None,
+                            members=tuple(m.strip() for m in _MEMBER.findall(page)),
+                            heard={r: float(age) for r, age in _HEARD.findall(page)})
+
+
+def read_status(lighthouse: str, timeout: float) -> LighthouseStatus:
+    with urllib.request.urlopen(lighthouse.rstrip("/") + "/status", timeout=timeout) as response:
+        return parse_status(response.read().decode())
+
+
+def group_of(replica_id: str) -> str:
+    """``replica2:<uuid>`` -> ``replica2`` (torchft appends a uuid per manager it starts)."""
+    return replica_id.split(":", 1)[0]
+
+
+def verdict(status: LighthouseStatus, quorum_id: int | None, group: str, hang_timeout_s: float) -> str:
+    """Why this rank's quorum ``quorum_id`` is to be given up ("": it is not). ``group``: this
+    group's name (``replica<g>``)."""
+    if quorum_id is None or status.quorum_id is None:
+        return ""
+    if status.quorum_id == quorum_id:
+        silent = [(m, status.heard[m]) for m in status.members if status.heard.get(m, 0.0) > hang_timeout_s]
+        if silent:
+            member, age = max(silent, key=lambda s: s[1])
+            return (f"replica group {group_of(member)} of quorum {quorum_id} sent no heartbeat for {age:.1f} s "
+                    f"(ft.hang_timeout_s {hang_timeout_s:g}): hung")
+    elif status.quorum_id > quorum_id and group not in {group_of(m) for m in status.members}:
+        return (f"the lighthouse formed quorum {status.quorum_id} without this group while it was in quorum "
+                f"{quorum_id}: the others went on without it")
+    return ""
+
+
+class Watchdog:
+    """One rank's watchdog (module docstring): ``watch`` wraps the cross-replica process group
+    and starts the thread; ``close`` stops it."""
+
+    def __init__(self, lighthouse: str, group: str, hang_timeout_s: float) -> None:
+        self.lighthouse = lighthouse
+        self.group = group
+        self.hang_timeout_s = hang_timeout_s
+        self.pg: WatchedProcessGroup | None = None
+        self._given_up: dict[int, str] = {}  # quorum id -> why
+        self._changed = threading.Condition()  # a quorum given up, or a watched collective done
+        self._ran_at = time.monotonic()  # the thread's last turn
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="freescale-watchdog", daemon=True)
+
+    def watch(self, pg) -> WatchedProcessGroup:
+        self.pg = WatchedProcessGroup(pg, self)
+        self._ran_at = time.monotonic()
+        self._thread.start()
+        return self.pg
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.hang_timeout_s / POLLS_PER_TIMEOUT):
+            try:
+                self._turn()
+            except Exception as e:  # the watchdog never takes the rank down; the next turn tries again
+                log.warning(f"hang watchdog: {str(e).splitlines()[0][:200]}")
+
+    def _turn(self) -> None:
+        now = time.monotonic()
+        if now - self._ran_at > self.hang_timeout_s / 2:
+            self.give_up(self.pg.quorum_id, f"this process did not run for {now - self._ran_at:.1f} s (stopped?): "
+                                            f"the other groups may have given its step up")
+        self._ran_at = now
+        try:
+            status = read_status(self.lighthouse, timeout=self.hang_timeout_s / 2)
+        except (OSError, ValueError):
+            return  # the lighthouse out of reach: the quorum says so
+        quorum_id = self.pg.quorum_id
+        cause = verdict(status, quorum_id, self.group, self.hang_timeout_s)
+        if cause:
+            self.give_up(quorum_id, cause)
+
+    def give_up(self, quorum_id: int | None, cause: str) -> None:
+        """Fail every wait on ``quorum_id``'s collectives, and its vote."""
+        if quorum_id is None:
+            return
+        with self._changed:
+            if quorum_id not in self._given_up:
+                self._given_up[quorum_id] = cause
+                log.warning(f"giving up quorum {quorum_id}'s collectives: {cause}")
+            self._changed.notify_all()
+
+    def cause(self, quorum_id: int | None) -> str:
+        """Why a vote in ``quorum_id`` must fail ("": no reason the watchdog knows)."""
+        stopped = time.monotonic() - self._ran_at
+        if stopped > self.hang_timeout_s / 2:
+            return f"this process did not run for {stopped:.1f} s (stopped?): the other groups may have given its step up"
+        return self._given_up.get(quorum_id, "") if quorum_id is not None else ""
+
+    def wait(self, work, quorum_id: int | None):
+        """``work.wait()``, unless ``quorum_id`` is given up first (``HungReplica``)."""
+        future = work.get_future()
+        future.add_done_callback(lambda _: self._notify())
+        with self._changed:
+            while not future.done():
+                if quorum_id in self._given_up:
+                    raise HungReplica(self._given_up[quorum_id])
+                self._changed.wait()
+        return work.wait()
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.hang_timeout_s)
+
+
+class NullWatchdog:
+    """``ft.hang_timeout_s: 0``: no watchdog, a hung group stalls the others for ``ft.timeout_s``."""
+
+    def watch(self, pg):
+        return pg
+
+    def close(self) -> None:
+        pass
+
+
+class _WatchedWork(Work):
+    def __init__(self, work, watchdog: Watchdog, quorum_id: int | None) -> None:
+        super().__init__()
+        self.work = work
+        self.watchdog = watchdog
+        self.quorum_id = quorum_id
+
+    def wait(self, timeout=None) -> bool:
+        return self.watchdog.wait(self.work, self.quorum_id)
+
+    def get_future(self):
+        return self.work.get_future()
+
+
+class WatchedProcessGroup(ProcessGroupWrapper):
+    """The cross-replica process group under the watchdog: its collectives' waits give up with
+    their quorum, and it reports the watchdog's cause as its error (which torchft's vote asks)."""
+
+    def __init__(self, pg, watchdog: Watchdog) -> None:
+        super().__init__(pg=pg)
+        self.watchdog = watchdog
+
+    @property
+    def quorum_id(self) -> int | None:
+        """The quorum the group was last built for (torchft's ``configure`` passes it through here)."""
+        return self._quorum_id
+
+    def _wrap_work(self, work, opts):
+        return _WatchedWork(work, self.watchdog, self._quorum_id)
+
+    def errored(self):
+        cause = self.watchdog.cause(self._quorum_id)
+        return HungReplica(cause) if cause else self.parent.errored()
+
+    def abort(self, errored: bool = True) -> None:
+        self.parent.abort()  # the wrapped group aborts; this wrapper keeps wrapping it
+
+    def getBackendName(self) -> str:
+        return self.parent.getBackendName()
+
+
+def build_watchdog(ft, lighthouse: str):
+    """A ``Watchdog`` for this rank, or a ``NullWatchdog`` with ``ft.hang_timeout_s: 0``."""
+    if not ft.hang_timeout_s:
+        return NullWatchdog()
+    return Watchdog(lighthouse, f"replica{ft.replica_id}", ft.hang_timeout_s)
