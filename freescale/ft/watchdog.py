@@ -128,6 +128,8 @@ class Watchdog:
         self.hang_timeout_s = hang_timeout_s
         self.pg: WatchedProcessGroup | None = None
         self._given_up: dict[int, str] = {}  # quorum id -> why
+        self._left: list = []  # collectives given up while in flight (their futures)
+        self._abandoned: list[tuple[object, list]] = []  # detached gloo groups, with what they still run
         self._changed = threading.Condition()  # a quorum given up, or a watched collective done
         self._ran_at = time.monotonic()  # the thread's last turn
         self._stop = threading.Event()
@@ -152,6 +154,7 @@ class Watchdog:
             self.give_up(self.pg.quorum_id, f"this process did not run for {now - self._ran_at:.1f} s (stopped?): "
                                             f"the other groups may have given its step up")
         self._ran_at = now
+        self._release()
         try:
             status = read_status(self.lighthouse, timeout=self.hang_timeout_s / 2)
         except (OSError, ValueError):
@@ -185,9 +188,21 @@ class Watchdog:
         with self._changed:
             while not future.done():
                 if quorum_id in self._given_up:
+                    self._left.append(future)
                     raise HungReplica(self._given_up[quorum_id])
                 self._changed.wait()
         return work.wait()
+
+    def abandon(self, pg) -> None:
+        """Keep a detached gloo group until the collectives given up in it have ended."""
+        with self._changed:
+            self._abandoned.append((pg, self._left))
+            self._left = []
+
+    def _release(self) -> None:
+        """Drop the abandoned groups whose collectives have ended (tearing one down is quick then)."""
+        with self._changed:
+            self._abandoned = [(pg, left) for pg, left in self._abandoned if not all(f.done() for f in left)]
 
     def _notify(self) -> None:
         with self._changed:
@@ -244,7 +259,19 @@ class WatchedProcessGroup(ProcessGroupWrapper):
         return HungReplica(cause) if cause else self.parent.errored()
 
     def abort(self, errored: bool = True) -> None:
-        self.parent.abort()  # the wrapped group aborts; this wrapper keeps wrapping it
+        if not self.watchdog.cause(self._quorum_id):
+            self.parent.abort()  # the wrapped group aborts; this wrapper keeps wrapping it
+            return
+        # Given up: the operation in flight waits for the hung group (until ft.timeout_s), and
+        # so does gloo's group if it is torn down (its destructor joins its threads, holding
+        # the interpreter). The group is detached (the next quorum's configure builds a new one
+        # without touching it) and kept until its abandoned operations have ended.
+        inner = self
+        while isinstance(inner._pg, ProcessGroupWrapper):
+            inner = inner._pg
+        detached, inner._pg = inner._pg, None
+        if detached is not None:
+            self.watchdog.abandon(detached)
 
     def getBackendName(self) -> str:
         return self.parent.getBackendName()

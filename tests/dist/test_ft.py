@@ -439,3 +439,55 @@ def test_groups_on_prepared_parquet_data_lose_no_sample_across_a_kill(tmp_path):
         batches = sorted(r["batch"] for r in records)
         assert batches == list(range(g, 2 * len(batches) + g, 2))  # its shard, from the start, no gap
     assert set(trained.values()) == {1}
+
+
+def assert_ledgers_exact(run: Path, replicas: int, batch_size: int = 16) -> int:
+    """From the groups' ledger files and cursors alone (not the launcher's audit): every batch
+    of every group's shard before its cursor recorded once, no other batch, each sample id once;
+    the number of batches."""
+    records = [json.loads(line) for g in range(replicas)
+               for path in sorted((run / f"replica{g}" / "ledger").glob("*.jsonl")) for line in path.read_text().splitlines()]
+    cursors = [json.loads((run / f"replica{g}" / "ft_cursor.json").read_text())["next_batch"] for g in range(replicas)]
+    expected = sorted(p * replicas + g for g in range(replicas) for p in range(cursors[g]))
+    assert sorted(r["batch"] for r in records) == expected
+    ids = [i for r in records for i in r["sample_ids"]]
+    assert all(len(r["sample_ids"]) == batch_size for r in records)
+    assert len(ids) == len(set(ids)) == batch_size * len(expected)
+    return len(expected)
+
+
+def test_the_survivors_of_a_hung_group_go_on_within_two_seconds_and_it_catches_up_when_it_wakes(tmp_path):
+    # Three groups of one rank; every process of group 2 is SIGSTOPped once it has trained 20
+    # batches (its sockets stay open: a hang, not a crash) and SIGCONTed 15 s later. Holds order
+    # the rest by events: every group holds at step 1 (all three are in step 20), and groups 0 and
+    # 1 hold at step 150 until group 2 is back, so it wakes to a live run however long it slept.
+    run = tmp_path / "run"
+    proc, summary = local(run, "--replicas", "3", "--nproc", "1", "--stop", "2@20:15",
+                          "--faults=[{at_step: 1, during: vote, kind: hold},"
+                          " {at_step: 150, during: vote, kind: hold, replicas: [0, 1]}]",
+                          "--train.steps=170", "--checkpoint.at_end=true")
+    check(proc)
+    (failure,) = summary["groups"][2]["failures"]
+    assert failure["cause"] == "stopped" and failure["restart_delay_s"] >= 15
+    stopped, continued = failure["down_at"], failure["down_at"] + failure["restart_delay_s"]
+    for g in (0, 1):
+        times = [c["time"] for c in commits(run, g)]
+        held = next(c["time"] for c in commits(run, g) if c["step"] == 149)  # (from then on it holds)
+        end = min(continued, held)
+        assert end - stopped > 5, (stopped, end)  # the window holds the detection and steps after it
+        window = [t for t in times if t <= end and t >= max(t for t in times if t <= stopped)]
+        assert len(window) > 20, window
+        # The acceptance itself is a time bound: with group 2 hung, the others commit again
+        # within 2 s (ft.hang_timeout_s is 1 s; the collective timeout, ft.timeout_s, 10 s),
+        # measured from the commit times the groups write.
+        assert max(b - a for a, b in zip(window, window[1:])) < 2.0, summary["groups"][2]["failures"]
+        assert failure["stall_s"][f"replica{g}"] > 0
+    # Group 2 woke in the step it was stopped in: it found it failed, caught up once, went on.
+    group2 = logs(run, 2)
+    assert re.search(r"\[r2/0\] step \d+ not committed \(this process did not run for \d+\.\d s", group2), group2[-3000:]
+    assert len(re.findall(r"caught up with a peer", group2)) == 1
+    assert [c["trained"] for c in commits(run, 2) if c["time"] > continued].count(False) == 1
+    assert_exactly_once(summary, 170)
+    assert summary["ledger"]["batches"] == assert_ledgers_exact(run, 3)
+    assert summary["slow"] == []  # a hung group is not a slow one
+    assert_groups_agree(run, 3, tmp_path, since=failure["rejoined_at"])
