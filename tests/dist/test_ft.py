@@ -482,11 +482,13 @@ def test_the_survivors_of_a_hung_group_go_on_within_two_seconds_and_it_catches_u
         # measured from the commit times the groups write.
         assert max(b - a for a, b in zip(window, window[1:])) < 2.0, summary["groups"][2]["failures"]
         assert failure["stall_s"][f"replica{g}"] > 0
-    # Group 2 woke in the step it was stopped in: it found it failed, caught up once, went on.
-    group2 = logs(run, 2)
-    assert re.search(r"\[r2/0\] step \d+ not committed \(this process did not run for \d+\.\d s", group2), group2[-3000:]
-    assert len(re.findall(r"caught up with a peer", group2)) == 1
-    assert [c["trained"] for c in commits(run, 2) if c["time"] > continued].count(False) == 1
+    # Group 2 woke in a step it did not commit (the others gave it up; or it was stopped between
+    # two steps), caught up from a peer once, in its first commit, and went on.
+    assert len(re.findall(r"caught up with a peer", logs(run, 2))) == 1
+    woke = [c for c in commits(run, 2) if c["time"] > continued]
+    assert [c["trained"] for c in woke] == [False] + [True] * (len(woke) - 1), woke[:3]
+    steps = [c["step"] for c in commits(run, 2)]
+    assert steps == sorted(set(steps)) and steps[-1] == 170
     assert_exactly_once(summary, 170)
     assert summary["ledger"]["batches"] == assert_ledgers_exact(run, 3)
     assert summary["slow"] == []  # a hung group is not a slow one
