@@ -148,3 +148,17 @@ def test_hang_timeout_config_is_checked():
     assert load_config(str(FT_LOCAL), ["ft.hang_timeout_s=0"]).ft.hang_timeout_s == 0
     with pytest.raises(ConfigError, match="ft.hang_timeout_s: expected 0 .* or at least 0.2 s"):
         load_config(str(FT_LOCAL), ["ft.hang_timeout_s=0.1"])
+
+
+def test_the_watched_group_reports_the_given_up_quorum_as_its_error_which_the_vote_asks():
+    from torchft import ProcessGroupGloo
+
+    from freescale.ft.watchdog import WatchedProcessGroup
+
+    watchdog = Watchdog("http://127.0.0.1:9", "replica0", hang_timeout_s=1.0)
+    pg = WatchedProcessGroup(ProcessGroupGloo(), watchdog)
+    pg._quorum_id = 6  # (what torchft's configure sets)
+    watchdog._ran_at = time.monotonic()
+    assert pg.errored() is None
+    watchdog.give_up(6, "replica group replica2 is hung")
+    assert isinstance(pg.errored(), HungReplica) and "replica2 is hung" in str(pg.errored())
