@@ -128,8 +128,7 @@ class Watchdog:
         self.hang_timeout_s = hang_timeout_s
         self.pg: WatchedProcessGroup | None = None
         self._given_up: dict[int, str] = {}  # quorum id -> why
-        self._left: list = []  # collectives given up while in flight (their futures)
-        self._abandoned: list[tuple[object, list]] = []  # detached gloo groups, with what they still run
+        self._abandoned: list = []  # detached gloo groups (kept: see WatchedProcessGroup.abort)
         self._changed = threading.Condition()  # a quorum given up, or a watched collective done
         self._ran_at = time.monotonic()  # the thread's last turn
         self._stop = threading.Event()
@@ -154,7 +153,6 @@ class Watchdog:
             self.give_up(self.pg.quorum_id, f"this process did not run for {now - self._ran_at:.1f} s (stopped?): "
                                             f"the other groups may have given its step up")
         self._ran_at = now
-        self._release()
         try:
             status = read_status(self.lighthouse, timeout=self.hang_timeout_s / 2)
         except (OSError, ValueError):
@@ -182,27 +180,32 @@ class Watchdog:
         return self._given_up.get(quorum_id, "") if quorum_id is not None else ""
 
     def wait(self, work, quorum_id: int | None):
-        """``work.wait()``, unless ``quorum_id`` is given up first (``HungReplica``)."""
-        future = work.get_future()
-        future.add_done_callback(lambda _: self._notify())
+        """``work.wait()``, unless ``quorum_id`` is given up first (``HungReplica``). The wait
+        itself runs on a thread of its own, never a callback on gloo's thread: gloo's group joins
+        its threads when torn down, holding the interpreter a callback would need."""
+        outcome: list = []
+
+        def waiter() -> None:
+            try:
+                outcome.append((True, work.wait()))
+            except Exception as e:
+                outcome.append((False, e))
+            self._notify()
+
+        threading.Thread(target=waiter, name="freescale-collective-wait", daemon=True).start()
         with self._changed:
-            while not future.done():
+            while not outcome:
                 if quorum_id in self._given_up:
-                    self._left.append(future)
                     raise HungReplica(self._given_up[quorum_id])
                 self._changed.wait()
-        return work.wait()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
 
     def abandon(self, pg) -> None:
-        """Keep a detached gloo group until the collectives given up in it have ended."""
-        with self._changed:
-            self._abandoned.append((pg, self._left))
-            self._left = []
-
-    def _release(self) -> None:
-        """Drop the abandoned groups whose collectives have ended (tearing one down is quick then)."""
-        with self._changed:
-            self._abandoned = [(pg, left) for pg, left in self._abandoned if not all(f.done() for f in left)]
+        """Keep a detached gloo group for the life of the rank (one per hang: a gloo context)."""
+        self._abandoned.append(pg)
 
     def _notify(self) -> None:
         with self._changed:
@@ -263,9 +266,9 @@ class WatchedProcessGroup(ProcessGroupWrapper):
             self.parent.abort()  # the wrapped group aborts; this wrapper keeps wrapping it
             return
         # Given up: the operation in flight waits for the hung group (until ft.timeout_s), and
-        # so does gloo's group if it is torn down (its destructor joins its threads, holding
-        # the interpreter). The group is detached (the next quorum's configure builds a new one
-        # without touching it) and kept until its abandoned operations have ended.
+        # so does gloo's group if it is aborted or torn down (its destructor joins its threads,
+        # holding the interpreter). The group is detached (the next quorum's configure builds a
+        # new one without touching it) and kept, never torn down while the rank lives.
         inner = self
         while isinstance(inner._pg, ProcessGroupWrapper):
             inner = inner._pg
