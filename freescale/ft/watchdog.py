@@ -27,9 +27,11 @@ The protocol, one watchdog (a thread) per rank:
    its timeout, and writes only into the abandoned step's tensors.
 4. The vote fences a group that was itself stopped. torchft's vote asks the process group for
    an error (``errored()``), and the watched group answers one while its quorum is given up,
-   or when the watchdog's own thread did not run for more than half of ``ft.hang_timeout_s``
-   (the process was stopped: the others may have given its step up, and its own collective
-   may even complete as it wakes, the peers' abandoned halves being still in flight). So a
+   or when the quorum is one it was in while the watchdog's own thread did not run for more
+   than half of ``ft.hang_timeout_s`` (the process was stopped: the others may have given its
+   step up, and its own collective may even complete as it wakes, the peers' abandoned halves
+   being still in flight). It gives up none of its collectives for that (the others may still
+   be waiting in one for its part), and a quorum built after it woke is not fenced. So a
    group that wakes fails the step it was stopped in, joins the next quorum behind the others
    and catches up from one of them. Voting against a step is always safe: when the peers did
    commit it with this group's batch, the catch-up says so (``ReplicaLayer._trained_by_peers``).
@@ -131,6 +133,8 @@ class Watchdog:
         self._abandoned: list = []  # detached gloo groups (kept: see WatchedProcessGroup.abort)
         self._changed = threading.Condition()  # a quorum given up, or a watched collective done
         self._ran_at = time.monotonic()  # the thread's last turn
+        self._turn_quorum: int | None = None  # the process group's quorum then
+        self._stopped: dict[int, str] = {}  # quorums this process was stopped in -> why
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="freescale-watchdog", daemon=True)
 
@@ -149,10 +153,9 @@ class Watchdog:
 
     def _turn(self) -> None:
         now = time.monotonic()
-        if now - self._ran_at > self.hang_timeout_s / 2:
-            self.give_up(self.pg.quorum_id, f"this process did not run for {now - self._ran_at:.1f} s (stopped?): "
-                                            f"the other groups may have given its step up")
-        self._ran_at = now
+        with self._changed:
+            self._stopped.update(self._in_flight(now))
+            self._ran_at, self._turn_quorum = now, self.pg.quorum_id
         try:
             status = read_status(self.lighthouse, timeout=self.hang_timeout_s / 2)
         except (OSError, ValueError):
@@ -172,12 +175,29 @@ class Watchdog:
                 log.warning(f"giving up quorum {quorum_id}'s collectives: {cause}")
             self._changed.notify_all()
 
+    def _in_flight(self, now: float) -> dict[int, str]:
+        """The quorums this process was in while it did not run, if it did not run for more than
+        half of ``ft.hang_timeout_s`` up to ``now`` (the others may have given them up): the one
+        at the thread's last turn, and the current one unless it was built after the pause."""
+        stopped = now - self._ran_at
+        if stopped <= self.hang_timeout_s / 2:
+            return {}
+        why = f"this process did not run for {stopped:.1f} s (stopped?): the other groups may have given its step up"
+        quorums = {self._turn_quorum} if self._turn_quorum is not None else set()
+        if self.pg.configured_at < self._ran_at + 2 * self.hang_timeout_s / POLLS_PER_TIMEOUT:
+            quorums.add(self.pg.quorum_id)
+        return {q: why for q in quorums if q is not None}
+
     def cause(self, quorum_id: int | None) -> str:
-        """Why a vote in ``quorum_id`` must fail ("": no reason the watchdog knows)."""
-        stopped = time.monotonic() - self._ran_at
-        if stopped > self.hang_timeout_s / 2:
-            return f"this process did not run for {stopped:.1f} s (stopped?): the other groups may have given its step up"
-        return self._given_up.get(quorum_id, "") if quorum_id is not None else ""
+        """Why a vote in ``quorum_id`` must fail ("": no reason the watchdog knows). A process that
+        was stopped fails its vote in a quorum it was in, but gives up none of its collectives:
+        the others may still wait in one for its part (they gave it up only after
+        ``ft.hang_timeout_s``), which it sends as it wakes."""
+        if quorum_id is None:
+            return ""
+        with self._changed:
+            stopped = {**self._stopped, **self._in_flight(time.monotonic())}
+            return self._given_up.get(quorum_id) or stopped.get(quorum_id, "")
 
     def wait(self, work, quorum_id: int | None):
         """``work.wait()``, unless ``quorum_id`` is given up first (``HungReplica``). The wait
@@ -248,6 +268,11 @@ class WatchedProcessGroup(ProcessGroupWrapper):
     def __init__(self, pg, watchdog: Watchdog) -> None:
         super().__init__(pg=pg)
         self.watchdog = watchdog
+        self.configured_at = time.monotonic()
+
+    def configure(self, *args, **kwargs) -> None:
+        self.configured_at = time.monotonic()
+        super().configure(*args, **kwargs)
 
     @property
     def quorum_id(self) -> int | None:

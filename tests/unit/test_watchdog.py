@@ -96,14 +96,27 @@ def test_a_watched_wait_ends_with_the_collective_or_raises_once_its_quorum_is_gi
     assert watchdog.wait(other, quorum_id=4) == 1  # the next quorum is not given up
 
 
-def test_the_vote_fails_in_a_quorum_given_up_and_after_the_process_did_not_run():
-    watchdog = Watchdog("http://127.0.0.1:9", "replica0", hang_timeout_s=1.0)
+def test_the_vote_fails_in_a_quorum_given_up_or_one_the_process_was_stopped_in_and_no_other():
+    from torchft import ProcessGroupGloo
+
+    from freescale.ft.watchdog import WatchedProcessGroup
+
+    watchdog = Watchdog("http://127.0.0.1:9", "replica0", hang_timeout_s=1.0)  # (nothing listens there)
+    watchdog.pg = pg = WatchedProcessGroup(ProcessGroupGloo(), watchdog)
+    pg._quorum_id = watchdog._turn_quorum = 2
     watchdog._ran_at = time.monotonic()
     assert watchdog.cause(2) == ""
     watchdog.give_up(2, "replica group replica1 is hung")
     assert watchdog.cause(2) == "replica group replica1 is hung" and watchdog.cause(3) == ""
-    watchdog._ran_at = time.monotonic() - 0.6  # the thread's last turn, half a timeout ago and more: stopped
+    # Stopped in quorum 3 (the thread's last turn, 0.6 s ago, saw it): its vote fails, before the
+    # thread's next turn and after it; quorum 4, built once the process runs again, is not touched.
+    pg._quorum_id = watchdog._turn_quorum = 3
+    pg.configured_at = watchdog._ran_at = time.monotonic() - 0.6
     assert "did not run for 0.6 s" in watchdog.cause(3)
+    pg._quorum_id, pg.configured_at = 4, time.monotonic()
+    assert watchdog.cause(4) == ""
+    watchdog._turn()
+    assert "did not run for 0.6 s" in watchdog.cause(3) and watchdog.cause(4) == ""
 
 
 def test_stop_plans_parse_and_bad_ones_name_the_item():
