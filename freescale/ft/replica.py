@@ -25,7 +25,9 @@ own, ``freescale.ft.table_sync`` for TorchRec's). A step:
 A cross-replica collective that fails aborts the process group at once (gloo's abort closes
 its connections), so a peer blocked on this group in the same collective is released rather
 than left waiting for a group that gave up; the next quorum rebuilds the group without the
-dead replica.
+dead replica. A group that hangs rather than dies keeps its sockets open and says nothing: the
+hang watchdog (``freescale.ft.watchdog``) gives the step's collectives up once the lighthouse
+has not heard the group for ``ft.hang_timeout_s``, and they fail the same way.
 
 A batch that enters a step is in the model as soon as its contribution reaches the peers: they
 may commit the step even if this group dies before its own vote. So the layer hands the batch
@@ -144,10 +146,12 @@ class ReplicaFiles:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{self.cursor_path}: unreadable data cursor ({e})") from e
 
-    def write(self, step: int, next_batch: int, trained: bool) -> None:
+    def write(self, step: int, next_batch: int, trained: bool, blocked_s: float = 0.0) -> None:
+        """``blocked_s``: the time the group waited for the others since its last commit."""
         now = time.time()
         with open(self.commits_path, "a") as f:
-            f.write(json.dumps({"step": step, "next_batch": next_batch, "trained": trained, "time": now}) + "\n")
+            f.write(json.dumps({"step": step, "next_batch": next_batch, "trained": trained, "time": now,
+                                "blocked_s": round(blocked_s, 6)}) + "\n")
         self.write_progress(step, next_batch, now)
 
     def write_progress(self, step: int, next_batch: int, now: float | None = None) -> None:
@@ -159,13 +163,14 @@ class ReplicaLayer:
     """One rank's part of the replica layer (see the module docstring).
 
     ``manager`` and ``pg`` are torchft's ``Manager`` and the process group it was built over
-    (``build_manager``: the declared faults' wrappers already around them); the layer registers
-    its state with the manager and drives both, and a test hands it fakes."""
+    (``build_manager``: the declared faults' wrappers and the hang watchdog already around
+    them; ``watchdog``, closed with the layer); the layer registers its state with the manager
+    and drives both, and a test hands it fakes."""
 
     enabled = True
 
     def __init__(self, cfg, topo, state, dense_params: list, optimizer, side, files: ReplicaFiles, *,
-                 manager, pg) -> None:
+                 manager, pg, watchdog=None) -> None:
         ft = cfg.ft
         self.cfg = ft
         self.replicas = ft.num_replicas
@@ -185,11 +190,17 @@ class ReplicaLayer:
         self._header: Header | None = None
         self._stash: dict | None = None  # a peer's state, until the group's vote
         self._joining = False
+        self._blocked_s = 0.0  # the step's time waiting for the other groups (quorum, collectives)
         # (step, batch): called with this group's batch before it enters the step's first
         # cross-replica collective (from then on the peers may commit it)
         self.on_contribute: Callable[[int, object], None] | None = None
         self.pg = pg
         self.manager = manager
+        if watchdog is None:
+            from freescale.ft.watchdog import NullWatchdog
+
+            watchdog = NullWatchdog()
+        self.watchdog = watchdog  # (closed with the layer)
         manager.register_state_dict_fn(STATE_KEY, self._receive, self._snapshot)
         self._put_back_step()
 
@@ -235,7 +246,9 @@ class ReplicaLayer:
     def wait_quorum(self) -> int:
         """Wait for the step's quorum (and, for a group catching up, the peer's state); the
         step's number (ahead of the trainer's when catching up)."""
+        waited = time.perf_counter()
         self.manager.wait_quorum()
+        self._blocked_s += time.perf_counter() - waited
         self._step = self.manager.current_step() + 1
         return self._step
 
@@ -321,7 +334,8 @@ class ReplicaLayer:
         if step != self.manager.current_step():
             raise RuntimeError(f"step {step} but torchft's manager is at {self.manager.current_step()}")
         if self.rank == 0:
-            self.files.write(step, next_batch, trained)
+            self.files.write(step, next_batch, trained, self._blocked_s)
+        self._blocked_s = 0.0
 
     # Parts of a step -----------------------------------------------------------------------
 
@@ -334,6 +348,7 @@ class ReplicaLayer:
             tensor.zero_()
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
+        waited = time.perf_counter()
         try:
             # A device tensor goes through pinned host memory by the copy engine (no kernel of
             # ours on the GPU): the groups' gloo process group sums host memory.
@@ -342,6 +357,8 @@ class ReplicaLayer:
             self.manager.report_error(e)
             self._abort(e)
             return False
+        finally:
+            self._blocked_s += time.perf_counter() - waited
         return True
 
     def _copies(self, tensor: torch.Tensor) -> CopyEngine | None:
@@ -465,23 +482,28 @@ class ReplicaLayer:
         return self.finish(plan, torch.zeros(plan.size))
 
     def close(self) -> None:
+        self.watchdog.close()
         self.manager.shutdown(wait=False)
 
 
 def build_manager(cfg, topo, faults, *, step: Callable[[], int], groups_in_step: Callable[[], int]):
     """torchft's ``Manager`` of this rank and its process group (``ProcessGroupGloo``, joining
     rank ``topo.rank`` of every group), each inside the wrapper of the faults declared there
-    (``freescale.ft.faults``; the part itself when none is): ``(manager, pg)``. The wrappers
-    read ``step`` (the step being attempted) and ``groups_in_step`` (the groups in its quorum)."""
+    (``freescale.ft.faults``; the part itself when none is), the group watched by the hang
+    watchdog (``freescale.ft.watchdog``): ``(manager, pg, watchdog)``. The wrappers read
+    ``step`` (the step being attempted) and ``groups_in_step`` (the groups in its quorum)."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's managers log every quorum and vote at info
     from torchft import Manager, ProcessGroupGloo
     from torchft.checkpointing import HTTPTransport
 
     from freescale.ft.faults import wrap_manager, wrap_process_group, wrap_transport
+    from freescale.ft.watchdog import build_watchdog
 
     ft = cfg.ft
     timeout = timedelta(seconds=ft.timeout_s)
-    pg = wrap_process_group(ProcessGroupGloo(timeout=timeout), faults, step)
+    lighthouse = os.environ.get(LIGHTHOUSE_ENV) or ft.lighthouse
+    watchdog = build_watchdog(ft, lighthouse)  # a hung group's collectives given up in seconds
+    pg = watchdog.watch(wrap_process_group(ProcessGroupGloo(timeout=timeout), faults, step))
     manager = Manager(
         pg=pg,
         load_state_dict=None,  # (the layer registers its state: ReplicaLayer)
@@ -493,12 +515,12 @@ def build_manager(cfg, topo, faults, *, step: Callable[[], int], groups_in_step:
         connect_timeout=timeout,
         rank=topo.rank,
         world_size=topo.world_size,
-        lighthouse_addr=os.environ.get(LIGHTHOUSE_ENV) or ft.lighthouse,
+        lighthouse_addr=lighthouse,
         replica_id=f"replica{ft.replica_id}",
         checkpoint_transport=wrap_transport(HTTPTransport(timeout=timeout, num_chunks=0), faults),
         init_sync=False,  # every group draws the same initial weights from run.seed
     )
-    return wrap_manager(manager, faults, groups_in_step, ft.num_replicas), pg
+    return wrap_manager(manager, faults, groups_in_step, ft.num_replicas), pg, watchdog
 
 
 def build_replica(cfg, topo, state, dense_params, optimizer, side, faults, run_dir: str):
@@ -512,6 +534,8 @@ def build_replica(cfg, topo, state, dense_params, optimizer, side, faults, run_d
         raise ConfigError("ft.enable: a replica group runs under torchrun (one torchrun job per group; "
                           "`freescale local` starts them on one host)")
     layer: ReplicaLayer | None = None  # the fault wrappers ask it, once built, where the step is
-    manager, pg = build_manager(cfg, topo, faults, step=lambda: layer._step, groups_in_step=lambda: layer._members())
-    layer = ReplicaLayer(cfg, topo, state, dense_params, optimizer, side, ReplicaFiles(run_dir), manager=manager, pg=pg)
+    manager, pg, watchdog = build_manager(cfg, topo, faults, step=lambda: layer._step,
+                                          groups_in_step=lambda: layer._members())
+    layer = ReplicaLayer(cfg, topo, state, dense_params, optimizer, side, ReplicaFiles(run_dir), manager=manager, pg=pg,
+                         watchdog=watchdog)
     return layer

@@ -170,7 +170,7 @@ def test_config_checks_of_the_layer():
                                (["ft.enable=false", "faults=[{at_step: 3, during: vote, kind: hold}]"],
                                 r"faults\[0\].during: vote needs the replica layer"),
                                (["faults=[{}, {ranks: [-1]}]"], r"faults\[1\].ranks: expected rank numbers >= 0"),
-                               (["faults=[{at_step: 3, kind: sleep}]"], r"faults\[0\].kind: expected one of raise, exit, delay, hold"),
+                               (["faults=[{at_step: 3, kind: sleep}]"], r"faults\[0\].kind: expected one of raise, exit, delay, slow, hold"),
                                (["faults={at_step: 3}"], "faults: expected a list of sections"),
                                (["faults.at_step=3"], r"'faults' is a list: set it whole, --faults=\[...\]")]:
         with pytest.raises(ConfigError, match=message):
