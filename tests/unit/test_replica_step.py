@@ -12,49 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from freescale.config import ExperimentConfig, FTConfig, TrainConfig
 from freescale.ft.catchup import transfer_state
-from freescale.ft.replica import STATE_KEY, ReplicaFiles, ReplicaLayer, Vote
-from freescale.model.sharding import build_dense_optimizer
-from freescale.train.state import DataCursor, RNGState, TrainerState, TrainingState
-from helpers.fake_manager import FakeManager, FakeProcessGroup, FakeTables, Peer, Quorum
-
-LR = 0.1
-
-
-def _group(rank: int = 0, size: int = 1, store=None):
-    """The group's own process group (its check runs there): gloo over an in-process store."""
-    return dist.ProcessGroupGloo(dist.PrefixStore("group", store or dist.HashStore()), rank, size)
-
-
-def _state(replicas: int, replica: int, *, step: int = 0, next_batch: int = 0, fill: float | None = None):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(3, 2)
-    if fill is not None:
-        with torch.no_grad():
-            for p in model.parameters():
-                p.fill_(fill)
-    optimizer = build_dense_optimizer(model, TrainConfig(optimizer="sgd", lr=LR))
-    loader = SimpleNamespace(shard=replica, next_batch=next_batch, position_after=lambda b: b + 1)
-    trainer = TrainerState()
-    trainer.step = step
-    state = TrainingState(model=model, optimizer=optimizer, trainer=trainer,
-                          data=DataCursor(loader, groups=replicas), rng=RNGState(0))
-    return state, model, optimizer
-
-
-def make_layer(tmp_path, quorums=(), *, replicas=2, replica=0, step=0, next_batch=0, min_replicas=1,
-               lr_scaling="none", group=None, rank=0):
-    state, model, optimizer = _state(replicas, replica, step=step, next_batch=next_batch)
-    pg = FakeProcessGroup(replicas)
-    manager = FakeManager(pg, quorums)
-    cfg = ExperimentConfig(ft=FTConfig(enable=True, num_replicas=replicas, replica_id=replica,
-                                       min_replicas=min_replicas, lr_scaling=lr_scaling))
-    topo = SimpleNamespace(rank=rank, pg=group if group is not None else _group())
-    tables = FakeTables()
-    layer = ReplicaLayer(cfg, topo, state, list(model.parameters()), optimizer, tables, ReplicaFiles(str(tmp_path)),
-                         manager=manager, pg=pg)
-    return SimpleNamespace(layer=layer, manager=manager, pg=pg, tables=tables, model=model, state=state)
+from freescale.ft.replica import STATE_KEY, Vote
+from helpers.fake_manager import LR, Peer, Quorum, group_of_ranks, make_layer, training_state
 
 
 def _params(model) -> list[torch.Tensor]:
@@ -77,7 +37,7 @@ def _step(t, keys, batch, grad: float, value: float, begin: bool = True) -> Vote
 
 def _peer_state(replicas: int, replica: int, *, step: int, positions: list[int], fill: float) -> dict:
     """What a peer's ``_snapshot`` hands over: its training state (every parameter ``fill``) and tables."""
-    state, _, _ = _state(replicas, replica, step=step, fill=fill)
+    state, _, _ = training_state(replicas, replica, step=step, fill=fill)
     state.parts["data"].positions = list(positions)
     return {STATE_KEY: transfer_state({"training": state.state_dict(), "tables": {"peer": "tables"}})}
 
@@ -89,7 +49,7 @@ BATCH = SimpleNamespace(batch_index=0)
 
 def test_a_committed_step_averages_the_gradients_applies_the_rows_and_records_the_peers_cursors(tmp_path):
     peer = Peer(1, cursor_after=5, keys=torch.tensor([3, 6]), dense=1.0, rows=0.5)
-    t = make_layer(tmp_path, [Quorum(participants=2, peers=[peer])])
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participants=2, peers=[peer])])
     contributed = []
     t.layer.on_contribute = lambda step, batch: contributed.append((step, batch))
     before = _params(t.model)
@@ -124,7 +84,7 @@ def test_a_committed_step_averages_the_gradients_applies_the_rows_and_records_th
 
 
 def test_a_group_alone_divides_by_one_and_sends_nothing_for_an_empty_union(tmp_path):
-    t = make_layer(tmp_path, [Quorum(participants=1)])
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participants=1)])
     before = _params(t.model)
     assert _step(t, [], BATCH, grad=2.0, value=0.0) == Vote(True, True)
     for p, b in zip(t.model.parameters(), before):
@@ -136,7 +96,7 @@ def test_a_group_alone_divides_by_one_and_sends_nothing_for_an_empty_union(tmp_p
 
 def test_a_lost_vote_rolls_back_trains_nothing_and_leaves_the_cursors(tmp_path):
     peer = Peer(1, cursor_after=5, keys=torch.tensor([2]), dense=1.0, rows=0.5)
-    t = make_layer(tmp_path, [Quorum(participants=2, peers=[peer], others_vote=False)])
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participants=2, peers=[peer], others_vote=False)])
     before = _params(t.model)
 
     assert _step(t, [1], BATCH, grad=2.0, value=0.25) == Vote(stepped=False, trained=False)
@@ -151,8 +111,8 @@ def test_a_lost_vote_rolls_back_trains_nothing_and_leaves_the_cursors(tmp_path):
 def test_a_failed_catch_up_puts_torchfts_step_back_to_the_trainers(tmp_path):
     # The quorum moved torchft's step to the peer's; the fetch failed: the step is not committed
     # and the manager counts from the trainer's step again.
-    t = make_layer(tmp_path, [Quorum(participating=False, participants=1, peer_step=9, peer_state=None,
-                                     peers=[Peer(1, cursor_after=12, dense=1.0)])], step=3)
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participating=False, participants=1, peer_step=9, peer_state=None,
+                                                     peers=[Peer(1, cursor_after=12, dense=1.0)])], step=3)
     before = _params(t.model)
     t.layer.begin()
     assert t.layer.wait_quorum() == 10 and t.manager.current_step() == 9
@@ -168,7 +128,7 @@ def test_a_failed_catch_up_puts_torchfts_step_back_to_the_trainers(tmp_path):
 def test_a_failed_collective_aborts_the_group_skips_the_rest_and_fails_the_step(tmp_path, fail_call):
     # The step's collectives: header, keys, dense gradients, rows' values.
     peer = Peer(1, cursor_after=5, keys=torch.tensor([3]), dense=1.0, rows=0.5)
-    t = make_layer(tmp_path, [Quorum(participants=2, peers=[peer], fail_call=fail_call)])
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participants=2, peers=[peer], fail_call=fail_call)])
     before = _params(t.model)
 
     assert _step(t, [1], BATCH, grad=2.0, value=0.25) == Vote(stepped=False, trained=False)
@@ -191,8 +151,8 @@ def test_a_group_catching_up_takes_the_peers_state_at_the_vote_and_learns_its_ba
     # again) or 5 (the peers committed a step with it that this group's vote lost).
     state = _peer_state(2, 0, step=9, positions=[peers_position, 20], fill=7.0)
     peer = Peer(1, cursor_after=21, keys=torch.tensor([2]), dense=1.0, rows=0.5)
-    t = make_layer(tmp_path, [Quorum(participating=False, participants=1, peer_step=9, peer_state=state,
-                                     peers=[peer])], step=3, next_batch=4)
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participating=False, participants=1, peer_step=9, peer_state=state,
+                                                     peers=[peer])], step=3, next_batch=4)
     contributed = []
     t.layer.on_contribute = lambda step, batch: contributed.append(step)
     before = _params(t.model)
@@ -223,8 +183,8 @@ def test_a_group_catching_up_takes_the_peers_state_at_the_vote_and_learns_its_ba
 def test_a_lost_vote_drops_the_peers_state_it_received(tmp_path):
     # Group-atomic: the state arrived on this rank, another rank of the group voted no.
     state = _peer_state(2, 0, step=9, positions=[4, 20], fill=7.0)
-    t = make_layer(tmp_path, [Quorum(participating=False, participants=1, peer_step=9, peer_state=state,
-                                     others_vote=False), Quorum(participants=1)], step=3, next_batch=4)
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participating=False, participants=1, peer_step=9, peer_state=state,
+                                                     others_vote=False), Quorum(participants=1)], step=3, next_batch=4)
     before = _params(t.model)
     assert _step(t, [], BATCH, grad=0.0, value=0.0) == Vote(stepped=False, trained=False)
     assert all(torch.equal(p.detach(), b) for p, b in zip(t.model.parameters(), before))
@@ -236,7 +196,7 @@ def test_a_lost_vote_drops_the_peers_state_it_received(tmp_path):
 
 def test_a_peers_state_with_this_groups_cursor_further_ahead_stops_the_group(tmp_path):
     state = _peer_state(2, 0, step=9, positions=[6, 20], fill=7.0)
-    t = make_layer(tmp_path, [Quorum(participating=False, participants=1, peer_step=9, peer_state=state)],
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participating=False, participants=1, peer_step=9, peer_state=state)],
                    step=3, next_batch=4)
     with pytest.raises(RuntimeError, match="holds its data cursor at batch 6, but it is at batch 4: restart the group"):
         _step(t, [], BATCH, grad=0.0, value=0.0)
@@ -245,8 +205,8 @@ def test_a_peers_state_with_this_groups_cursor_further_ahead_stops_the_group(tmp
 # The vote's checks --------------------------------------------------------------------------
 
 def test_too_few_groups_in_the_step_fail_it_and_a_group_catching_up_counts(tmp_path):
-    t = make_layer(tmp_path, [Quorum(participants=1),
-                              Quorum(participants=1, peers=[Peer(2, cursor_after=None)])],
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participants=1),
+                                              Quorum(participants=1, peers=[Peer(2, cursor_after=None)])],
                    replicas=3, min_replicas=2)
     assert _step(t, [], BATCH, grad=1.0, value=0.0) == Vote(stepped=False, trained=False)
     assert "1 replica group(s) in the step, ft.min_replicas is 2" in str(t.manager.errored())
@@ -255,7 +215,7 @@ def test_too_few_groups_in_the_step_fail_it_and_a_group_catching_up_counts(tmp_p
 
 @pytest.mark.parametrize("participants", [4, 1, 2])
 def test_sqrt_scaling_steps_with_the_learning_rate_times_the_root_of_the_participants_share(tmp_path, participants):
-    t = make_layer(tmp_path, [Quorum(participants=participants)], replicas=4, lr_scaling="sqrt")
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participants=participants)], replicas=4, lr_scaling="sqrt")
     before = _params(t.model)
     assert _step(t, [], BATCH, grad=float(participants), value=0.0).stepped
     # The group's gradient, divided by the participants (the peers sent zeros): 1.
@@ -270,7 +230,8 @@ def test_ranks_of_a_group_that_disagree_fail_the_step_and_the_end_of_the_run(tmp
 
     def rank(r):
         try:
-            t = make_layer(tmp_path / f"rank{r}", [Quorum(participants=1)] * 2, group=_group(r, 2, store), rank=r)
+            t = make_layer(run_dir=tmp_path / f"rank{r}", quorums=[Quorum(participants=1)] * 2,
+                           group=group_of_ranks(r, 2, store), rank=r)
             t.manager._step = 5 if r else 0  # rank 1 holds another torchft step
             results[r] = [_step(t, [], BATCH, grad=1.0, value=0.0), str(t.manager.errored())]
             t.state.parts["data"].positions[0] = 4 + r  # (the failed vote put torchft's step back)
@@ -298,8 +259,8 @@ def test_joining_behind_a_live_group_catches_up_in_a_zero_step(tmp_path):
     # this group's that its restart lost): joining, the group takes it as it is.
     state = _peer_state(2, 0, step=9, positions=[6, 20], fill=7.0)
     peer = Peer(1, cursor_after=21, keys=torch.tensor([2]), dense=1.0, rows=0.5)
-    t = make_layer(tmp_path, [Quorum(participating=False, participants=1, peer_step=9, peer_state=state,
-                                     peers=[peer])], step=3, next_batch=4)
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participating=False, participants=1, peer_step=9, peer_state=state,
+                                                     peers=[peer])], step=3, next_batch=4)
     t.layer.join(restore=None)
 
     assert t.state.parts["trainer"].step == 10 and t.manager.current_step() == 10
@@ -316,7 +277,7 @@ def test_joining_behind_a_live_group_catches_up_in_a_zero_step(tmp_path):
 
 
 def test_joining_with_no_group_ahead_lets_the_step_pass_restores_and_keeps_the_next_quorum(tmp_path):
-    t = make_layer(tmp_path, [Quorum(participants=1), Quorum(participants=1)], step=3, next_batch=4)
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participants=1), Quorum(participants=1)], step=3, next_batch=4)
     restored = []
 
     def restore():
@@ -338,7 +299,7 @@ def test_joining_with_no_group_ahead_lets_the_step_pass_restores_and_keeps_the_n
 
 
 def test_joining_in_step_with_the_others_and_nothing_to_restore_opens_the_first_steps_quorum(tmp_path):
-    t = make_layer(tmp_path, [Quorum(participants=2)], step=3, next_batch=4)
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participants=2)], step=3, next_batch=4)
     t.layer.join(None)
     assert t.manager.votes == [] and t.tables.events == [] and t.state.parts["trainer"].step == 3
     t.layer.begin()
@@ -346,8 +307,8 @@ def test_joining_in_step_with_the_others_and_nothing_to_restore_opens_the_first_
 
 
 def test_the_layer_registers_its_state_with_the_manager_and_hands_a_copy(tmp_path):
-    t = make_layer(tmp_path, step=4)
-    snapshot = t.manager.save_fns[STATE_KEY]()
+    t = make_layer(run_dir=tmp_path, step=4)
+    snapshot = t.manager.registered_state()[STATE_KEY]
     assert int(snapshot["training"]["trainer"]["step"]) == 4 and snapshot["tables"] == {"side": "tables"}
     weight = t.model.weight
     with torch.no_grad():
