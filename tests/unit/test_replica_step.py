@@ -77,7 +77,7 @@ def test_a_committed_step_averages_the_gradients_applies_the_rows_and_records_th
     with open(tmp_path / "ft_cursor.json") as f:
         assert {k: v for k, v in json.load(f).items() if k != "time"} == {"step": 1, "next_batch": 1}
     with open(tmp_path / "ft_commits.jsonl") as f:
-        assert [{k: v for k, v in json.loads(line).items() if k != "time"} for line in f] == [
+        assert [{k: v for k, v in json.loads(line).items() if k not in ("time", "blocked_s")} for line in f] == [
             {"step": 1, "next_batch": 1, "trained": True}]
     with pytest.raises(RuntimeError, match="step 2 but torchft's manager is at 1"):
         t.layer.committed(2, 2, True)
@@ -269,7 +269,7 @@ def test_joining_behind_a_live_group_catches_up_in_a_zero_step(tmp_path):
         torch.testing.assert_close(p.detach(), torch.full_like(p, 7.0 - LR * 1.0), rtol=0, atol=1e-6)
     assert t.state.parts["data"].positions == [6, 21]
     with open(tmp_path / "ft_commits.jsonl") as f:
-        assert [{k: v for k, v in json.loads(line).items() if k != "time"} for line in f] == [
+        assert [{k: v for k, v in json.loads(line).items() if k not in ("time", "blocked_s")} for line in f] == [
             {"step": 10, "next_batch": 6, "trained": False}]
     # The next step takes a quorum of its own.
     t.layer.begin()
