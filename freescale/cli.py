@@ -7,7 +7,8 @@
     freescale balance --lengths X.npy --ranks N [--partition P]  partition quality of a global batch
     freescale config [--config PATH] [--section.key=value ...]   print the resolved config
     freescale lighthouse [--bind HOST:PORT] [--min-replicas N]    torchft's lighthouse for replica groups
-    freescale local --config PATH --replicas R --nproc N [--kill R@S,...] [--restart-delay S]
+                         [--until-done RUN_DIR --replicas R]     ... until the run's R groups finish
+    freescale local --config PATH --replicas R --nproc N [--kill R@S,...] [--stop R@S[:SECONDS],...] [--restart-delay S]
                                                                  R replica groups on this host, with kills
     freescale prepare --input PATH... --format F --out DIR [...]  an interaction log as Parquet sample files
     freescale prepare --synthetic N --out DIR [--synthetic.key=value ...]   the synthetic stream, as files
@@ -78,6 +79,10 @@ def _parser() -> argparse.ArgumentParser:
                     help="a group silent this long is dead to the quorum (default 500)")
     lh.add_argument("--join-timeout-ms", type=int, default=1000,
                     help="how long a quorum waits for a heartbeating group to join (default 1000)")
+    lh.add_argument("--until-done", metavar="RUN_DIR", default="",
+                    help="exit once every replica group in RUN_DIR (RUN_DIR/replica<r>/) has finished the run "
+                         "(default: run until SIGTERM)")
+    lh.add_argument("--replicas", type=int, default=0, help="the replica groups --until-done waits for")
     loc = sub.add_parser("local", help="a lighthouse and R replica groups of N ranks on this host, with kills and restarts",
                          epilog="Any config key can be overridden as --section.key=value.")
     loc.add_argument("--config", required=True, help="experiment YAML file")
@@ -85,6 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     loc.add_argument("--nproc", type=int, required=True, help="ranks per replica group")
     loc.add_argument("--kill", default="", help="REPLICA@STEP,...: SIGKILL the group once it has trained STEP batches "
                      "of its shard; all@STEP: every group at once, when the first has")
+    loc.add_argument("--stop", default="", help="REPLICA@STEP[:SECONDS],...: SIGSTOP every process of the group once it "
+                     "has trained STEP batches of its shard (a hang), SIGCONT after SECONDS (default 15)")
     loc.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a killed group restarts (default 1)")
     loc.add_argument("--resume", action="store_true",
                      help="a restarted group resumes from its own last checkpoint instead of catching up from a live "
@@ -445,11 +452,15 @@ def _serve_bench(args) -> None:
 
 
 def _lighthouse(args) -> None:
-    from freescale.ft.lighthouse import LighthouseOptions, serve
+    from freescale.ft.lighthouse import LighthouseOptions, RunWatch, serve
 
+    if bool(args.until_done) != bool(args.replicas):
+        _fail("--until-done RUN_DIR and --replicas R go together (the run folder and the groups it holds)")
     try:
+        watch = RunWatch(args.until_done, args.replicas) if args.until_done else None
         serve(LighthouseOptions(bind=args.bind, min_replicas=args.min_replicas,
-                                heartbeat_timeout_ms=args.heartbeat_timeout_ms, join_timeout_ms=args.join_timeout_ms))
+                                heartbeat_timeout_ms=args.heartbeat_timeout_ms, join_timeout_ms=args.join_timeout_ms),
+              watch)
     except ValueError as e:
         _fail(str(e))
 
@@ -460,7 +471,7 @@ def _local(args, extra: list[str]) -> None:
     try:
         overrides = _split_overrides(extra)
         summary = run_local(args.config, overrides, replicas=args.replicas, nproc=args.nproc, kills=args.kill,
-                            restart_delay=args.restart_delay, max_restarts=args.max_restarts, resume=args.resume,
+                            stops=args.stop,                            restart_delay=args.restart_delay, max_restarts=args.max_restarts, resume=args.resume,
                             timeout_s=args.timeout)
     except (ConfigError, ValueError) as e:
         _fail(str(e))

@@ -334,12 +334,12 @@ class FaultConfig:
     """Ranks (within the replica) that fail; empty = every rank."""
     replicas: list[int] = field(default_factory=list)
     """Under the replica layer: the replica groups that fail (empty = every group); the fault then strikes once per run folder."""
-    kind: Literal["raise", "exit", "delay", "hold"] = "raise"
-    """raise: an exception (a bug, a failed transfer); exit: the process ends at once, as a crash would; delay: the rank stalls for fault.delay_s; hold (during: vote, replica layer): the group votes against the step, trained again, until every replica group is in it (a barrier a group coming back meets)."""
+    kind: Literal["raise", "exit", "delay", "slow", "hold"] = "raise"
+    """raise: an exception (a bug, a failed transfer); exit: the process ends at once, as a crash would; delay: the rank stalls for fault.delay_s; slow: it stalls fault.delay_s in every step from fault.at_step on (a slow host), every launch; hold (during: vote, replica layer): the group votes against the step, trained again, until every replica group is in it (a barrier a group coming back meets)."""
     during: Literal["step", "quorum", "allreduce", "vote", "recover"] = "step"
     """Where in the step: as it begins, or under the replica layer in the step's quorum, its first cross-replica all-reduce, its vote (after every collective of the step), or while this group fetches a live peer's state (recover: at its first catch-up at or after fault.at_step)."""
     delay_s: Annotated[float, Range(min=0.0)] = 5.0
-    """How long a delay fault stalls the rank, in seconds."""
+    """How long a delay fault stalls the rank (a slow fault: in each step), in seconds."""
     fail_commit_at: list[int] = field(default_factory=list)
     """Under the replica layer: steps at which the group votes against its commit once (the step is rolled back and trained again); fault.replicas picks the groups."""
 
@@ -366,6 +366,10 @@ class FTConfig:
     """TorchRec's tables at a sync: add the groups' changes (as one job would have applied them), or average the groups' copies (TorchRec DMPCollection's semantics, to measure against)."""
     lr_scaling: Literal["none", "sqrt"] = "none"
     """Dense learning rate while fewer than ft.num_replicas take part: unchanged, or scaled by sqrt(participants / ft.num_replicas)."""
+    hang_timeout_s: Annotated[float, Range(min=0.0)] = 1.0
+    """A group of the step's quorum whose heartbeats the lighthouse has not heard for this long is hung: the others give the step's collectives up and train it again without it (freescale/ft/watchdog.py), instead of waiting ft.timeout_s; at least the lighthouse's heartbeat timeout (500 ms); 0 = no watchdog."""
+    slow_factor: Annotated[float, Range(min=1.0)] = 1.5
+    """`freescale local` reports a group whose own time per step (outside the waits for the other groups; median over its steps) is at least this many times the other groups'."""
 
 
 @dataclass
@@ -738,6 +742,9 @@ def _check_cross_fields(cfg: ExperimentConfig) -> None:
         raise ConfigError("dense.sharding: fsdp needs every rank of a group to run the same layers at every step; "
                           "task.kind retrieval skips HSTU's encoder on a rank whose batch has no history "
                           "(use dense.sharding: replicate)")
+    if 0 < ft.hang_timeout_s < 0.2:
+        raise ConfigError(f"ft.hang_timeout_s: expected 0 (no watchdog) or at least 0.2 s (the lighthouse hears a group "
+                          f"every 0.1 s), got {ft.hang_timeout_s}")
     if ft.enable and cfg.train.pipeline == "base":
         raise ConfigError("ft.enable: the replica layer votes on the steps of train.pipeline sparse_dist, pec, "
                           "prioritized or sync, got base")

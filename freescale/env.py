@@ -1,6 +1,6 @@
 """Every environment variable FreeScale reads, named once.
 
-Only process plumbing that torchrun dictates is read from the environment; every other knob
+Only process plumbing that torchrun or torchft dictate is read from the environment; every other knob
 lives in the config tree.
 """
 
@@ -18,6 +18,15 @@ LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
 """Processes on this host; divides the CPU cores between ranks (set by torchrun)."""
 MASTER_ADDR = "MASTER_ADDR"
 """Rendezvous host of the default process group (set by torchrun)."""
+TORCHFT_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"
+"""Address of the torchft lighthouse a replica group reports to (``http://HOST:PORT``; torchft's
+own name for it); set by a launcher (``freescale.torchx``), it takes precedence over
+``ft.lighthouse``."""
+TORCH_DISABLE_SHARE_RDZV_TCP_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+"""``1``: torchrun gives each start of its ranks a store of their own. Set by a launcher whose
+torchrun restarts a group in place (``freescale.torchx``): torchrun's shared store keeps the
+previous start's keys, and the restarted ranks' gloo group then dials the dead ranks' addresses
+(seen with torch 2.13: every restart failed in ``connectFullMesh``)."""
 
 
 def get_int(name: str, default: int) -> int:

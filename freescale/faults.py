@@ -7,6 +7,9 @@
 - ``exit``: the process ends at once (``os._exit``) as a crash or a kill would: nothing is
   closed or written after it, which is what checkpoints and the ledger must survive;
 - ``delay``: the rank stalls for ``fault.delay_s`` seconds there, as a slow or paused host would;
+- ``slow``: the rank stalls ``fault.delay_s`` seconds in every step from N on, as a slow host
+  would (thermal throttling, a noisy neighbour); it leaves no marker, so it strikes in every
+  launch;
 - ``hold`` (under the replica layer, at the vote): the group votes against step N, and against
   it again each time it trains it again, until every replica group is in the step (a group
   catching up counts). It keeps joining every quorum meanwhile, so a group that comes back
@@ -60,8 +63,11 @@ class FaultInjector:
 
     def at(self, point: str, step: int) -> None:
         """Strike if the fault is declared at ``point`` of step ``step`` (a hold is ``hold``'s)."""
-        if self.kind == "hold" or point != self.during or (step < self.at_step if point == "recover"
+        if self.kind == "hold" or point != self.during or (step < self.at_step if point == "recover" or self.kind == "slow"
                                                            else step != self.at_step):
+            return
+        if self.kind == "slow":
+            time.sleep(self.delay_s)
             return
         if self._struck():
             return

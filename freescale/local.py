@@ -10,14 +10,20 @@ data; a group that joins late catches up first, so the kill always lands on real
 ``--max-restarts`` times; never one that exits with a usage error). A restarted group catches
 up from a live peer, or, when no group is left alive, resumes from the job's newest checkpoint
 (the trainer decides: ``ReplicaLayer.join``); with ``--resume`` it resumes from its own last
-checkpoint instead. A group is not restarted once every other group has finished the run:
+checkpoint instead. ``--stop R@S[:SECONDS]`` hangs a group instead: every process of group R is
+SIGSTOPped once it has trained S batches of its shard (its sockets stay open, as a frozen
+host's do) and SIGCONTed SECONDS later (15 by default); it then finds its step failed and
+catches up. A group is not restarted once every other group has finished the run:
 there is no live run left to rejoin. The launcher prints a progress line per group, waits for
 the end and writes ``<run>/local_summary.json``:
 
 - per group: committed steps, steps that trained its own batch, exit code, console log;
-- per failure: when it was killed and restarted, the time to rejoin (restart to its first
-  commit), and every other group's *stall*: the longest gap between two of its commits while
-  the failed group was away (kill to rejoin);
+- per failure: when it was killed (or stopped) and restarted (or continued), the time to rejoin
+  (restart to its first commit), and every other group's *stall*: the longest gap between two
+  of its commits while the failed group was away (kill to rejoin);
+- each group's own time per step (the median over its steps of the time between two commits
+  less the time it waited for the other groups: ``blocked_s`` in its commit lines) and the
+  groups whose own time is ``ft.slow_factor`` times the others' or more (``slow``);
 - the ledger check over all groups: every batch of every group's shard up to its cursor
   trained exactly once (``samples_lost``, ``samples_repeated``), and whether every group
   reached the last step (``complete``).
@@ -72,6 +78,39 @@ def parse_kills(text: str, replicas: int, steps: int) -> list[Kill]:
     return sorted(kills, key=lambda k: (k.replica, k.step))
 
 
+DEFAULT_STOP_S = 15.0
+
+
+@dataclass(frozen=True)
+class Stop:
+    replica: int
+    step: int
+    seconds: float
+
+
+def parse_stops(text: str, replicas: int, steps: int) -> list[Stop]:
+    """``"2@100:15,0@300"`` -> stops (group, batches of its shard trained, seconds stopped;
+    ``DEFAULT_STOP_S`` when left out); one-line errors name the bad item."""
+    stops = []
+    for item in filter(None, (t.strip() for t in (text or "").split(","))):
+        replica, at, rest = item.partition("@")
+        step, colon, seconds = rest.partition(":")
+        try:
+            stop = Stop(int(replica), int(step), float(seconds) if colon else DEFAULT_STOP_S)
+        except ValueError:
+            stop = None
+        if not at or stop is None or not replica.isdigit() or not step.isdigit():
+            raise ConfigError(f"--stop: expected REPLICA@STEP or REPLICA@STEP:SECONDS items (e.g. 2@100:15), got {item!r}")
+        if stop.replica >= replicas:
+            raise ConfigError(f"--stop {item}: replica {stop.replica} does not exist (--replicas {replicas})")
+        if not 1 <= stop.step < steps:
+            raise ConfigError(f"--stop {item}: expected a step in 1..{steps - 1} (train.steps is {steps})")
+        if not 0 < stop.seconds < float("inf"):
+            raise ConfigError(f"--stop {item}: expected seconds > 0, got {seconds}")
+        stops.append(stop)
+    return sorted(stops, key=lambda s: (s.replica, s.step))
+
+
 @dataclass
 class Failure:
     step: int
@@ -91,6 +130,9 @@ class Group:
     env: dict
     proc: subprocess.Popen | None = None
     kills: list[int] = field(default_factory=list)  # batches of its shard it is to be killed after, in order
+    stops: list[Stop] = field(default_factory=list)  # its stops, in order
+    stopped: list[int] | None = None  # the processes it stopped (SIGSTOP), until they continue
+    continue_at: float | None = None
     failures: list[Failure] = field(default_factory=list)
     restart_at: float | None = None
     exit_code: int | None = None
@@ -109,6 +151,19 @@ class Group:
                 pass
         self.exit_code = self.proc.wait()  # -9 until a restart finishes
         self.proc = None
+        self.stopped = self.continue_at = None
+
+    def stop(self, seconds: float) -> None:
+        """SIGSTOP the agent and every rank (a hang: their sockets stay open), SIGCONT in ``seconds``."""
+        self.stopped = [self.proc.pid, *descendants(self.proc.pid)]
+        for pid in self.stopped:
+            _signal(pid, signal.SIGSTOP)
+        self.continue_at = time.time() + seconds
+
+    def resume(self) -> None:
+        for pid in self.stopped:
+            _signal(pid, signal.SIGCONT)
+        self.stopped = self.continue_at = None
 
     def cursor(self) -> dict:
         try:
@@ -122,11 +177,20 @@ class Group:
         return self.cursor()["step"]
 
     def state(self, now: float) -> str:
+        if self.stopped is not None:
+            return f"step {self.step()}, stopped (continues in {max(0.0, self.continue_at - now):.1f} s)"
         if self.proc is not None:
             return f"step {self.step()}"
         if self.restart_at is not None:
             return f"down (restarts in {max(0.0, self.restart_at - now):.1f} s)"
         return "done" if self.exit_code == 0 else f"failed (exit {self.exit_code})"
+
+
+def _signal(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass
 
 
 def descendants(pid: int) -> list[int]:
@@ -148,7 +212,7 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
-def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, kills: str = "",
+def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, kills: str = "", stops: str = "",
               restart_delay: float = 1.0, max_restarts: int = 3, resume: bool = False, timeout_s: float = 3600.0,
               progress_every_s: float = 5.0, out=sys.stdout) -> dict:
     """Run the experiment as ``replicas`` groups of ``nproc`` ranks; returns the summary also written.
@@ -163,6 +227,7 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
     ft = ["ft.enable=true", f"ft.num_replicas={replicas}"]
     cfg = load_config(config, [*overrides, *ft])
     plan = parse_kills(kills, replicas, cfg.train.steps)
+    hangs = parse_stops(stops, replicas, cfg.train.steps)
     run_dir = cfg.run.dir or os.path.join(
         cfg.run.out_dir, f"{cfg.run.name}-{datetime.datetime.now(datetime.timezone.utc):%Y%m%d-%H%M%S}")
     os.makedirs(run_dir, exist_ok=True)
@@ -181,10 +246,10 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
                "-m", "freescale", "train", "--config", config, *(f"--{o}" for o in overrides),
                *(f"--{o}" for o in ft), f"--ft.replica_id={r}", f"--ft.lighthouse={address}", f"--run.dir={group_dir}"]
         groups.append(Group(r, cmd, group_dir, os.path.join(run_dir, f"replica{r}.console.log"), env,
-                            kills=[k.step for k in plan if k.replica == r]))
+                            kills=[k.step for k in plan if k.replica == r], stops=[s for s in hangs if s.replica == r]))
     kill_all = sorted(k.step for k in plan if k.replica == ALL)
     print(f"[local] {replicas} replica group(s) x {nproc} rank(s), lighthouse {address}, run folder {run_dir}"
-          + (f", kills {kills}" if plan else ""), file=out, flush=True)
+          + (f", kills {kills}" if plan else "") + (f", stops {stops}" if hangs else ""), file=out, flush=True)
 
     started = time.time()
     previous = _on_terminate(_raise_exit)  # a SIGTERM tears the groups down, as Ctrl-C does
@@ -234,6 +299,16 @@ def _watch(groups: list[Group], kill_all: list[int], cfg: ExperimentConfig, rest
             tell(f"[local] every group killed (SIGKILL) once one had trained {trained} batches of its shard, at "
                   f"committed steps {', '.join(str(g.step()) for g in running)}; restart in {restart_delay:.1f} s")
         for g in groups:
+            if g.stopped is not None and now >= g.continue_at:
+                g.resume()
+                g.failures[-1].restarted_at = time.time()
+                tell(f"[local] replica {g.replica} continued (SIGCONT)")
+            elif g.proc is not None and g.stopped is None and g.stops and g.cursor()["next_batch"] >= g.stops[0].step:
+                stop = g.stops.pop(0)
+                g.stop(stop.seconds)
+                g.failures.append(Failure(step=g.step(), killed_at=time.time(), cause="stopped"))
+                tell(f"[local] replica {g.replica} stopped (SIGSTOP) after {stop.step} batches of its shard, at "
+                     f"committed step {g.step()}; continues in {stop.seconds:g} s")
             if g.proc is not None and g.kills and g.cursor()["next_batch"] >= g.kills[0]:
                 trained = g.kills.pop(0)
                 _kill(g, restart_delay)
@@ -295,9 +370,33 @@ def longest_gap(times: list[float], start: float, end: float) -> float:
     return max(gaps, default=0.0)
 
 
+def own_step_s(commits: list[dict]) -> float | None:
+    """A group's own time per step: the median, over the steps it trained right after its
+    previous commit, of the time between the two commits less the time it waited for the other
+    groups in between (``blocked_s``); None without such steps."""
+    own = sorted(b["time"] - a["time"] - b.get("blocked_s", 0.0) for a, b in zip(commits, commits[1:])
+                 if b["trained"] and b["step"] == a["step"] + 1)
+    return own[len(own) // 2] if own else None
+
+
+def slow_groups(own: dict[int, float | None], factor: float) -> list[dict]:
+    """The groups whose own time per step is ``factor`` times the median of the others' or more."""
+    slow = []
+    for g, mine in own.items():
+        others = sorted(t for o, t in own.items() if o != g and t is not None)
+        if mine is None or not others:
+            continue
+        theirs = others[len(others) // 2]
+        if mine >= factor * theirs:
+            slow.append({"replica": g, "times_slower": round(mine / theirs, 2), "own_step_s": round(mine, 4),
+                         "others_step_s": round(theirs, 4)})
+    return slow
+
+
 def summarize(run_dir: str, cfg: ExperimentConfig, groups: list[Group], nproc: int, *, wall_s: float,
               address: str) -> dict:
     commits = {g.replica: read_commits(g.run_dir) for g in groups}
+    own = {g.replica: own_step_s(commits[g.replica]) for g in groups}
     per_group = []
     for g in groups:
         failures = []
@@ -322,12 +421,14 @@ def summarize(run_dir: str, cfg: ExperimentConfig, groups: list[Group], nproc: i
             "committed_steps": len(commits[g.replica]),
             "trained_steps": sum(1 for c in commits[g.replica] if c["trained"]),
             "last_step": g.step(),
+            "own_step_s": own[g.replica] and round(own[g.replica], 4),
             "failures": failures,
             "console": g.console,
         })
     return {"run_dir": run_dir, "lighthouse": address, "replicas": len(groups), "ranks_per_replica": nproc,
             "steps": cfg.train.steps, "wall_s": round(wall_s, 3), "groups": per_group,
             "max_stall_s": max((s for p in per_group for f in p["failures"] for s in f["stall_s"].values()), default=0.0),
+            "slow_factor": cfg.ft.slow_factor, "slow": slow_groups(own, cfg.ft.slow_factor),
             "ledger": ledger_check(cfg, groups, nproc) if cfg.train.ledger else None}
 
 
@@ -353,8 +454,15 @@ def _print_summary(summary: dict, out) -> None:
               f"({p['trained_steps']} on its own batches), last step {p['last_step']}", file=out)
         for f in p["failures"]:
             stalls = ", ".join(f"{k} {v:.2f} s" for k, v in f["stall_s"].items())
-            print(f"[local]   {f['cause']} at step {f['at_step']}: rejoined {f['time_to_rejoin_s']} s after its "
-                  f"restart; longest stall of the others: {stalls}", file=out)
+            back = (f"for {f['restart_delay_s']} s, rejoined {f['time_to_rejoin_s']} s after it continued"
+                    if f["cause"] == "stopped" else f"rejoined {f['time_to_rejoin_s']} s after its restart")
+            print(f"[local]   {f['cause']} at step {f['at_step']}: {back}; longest stall of the others: {stalls}",
+                  file=out)
+    for slow in summary["slow"]:
+        print(f"[local] replica {slow['replica']} is slow: {slow['times_slower']}x the others' own time per step "
+              f"({slow['own_step_s']} s against {slow['others_step_s']} s)", file=out)
+    if not summary["slow"]:
+        print(f"[local] slow groups: none (own time per step {summary['slow_factor']}x the others' or more)", file=out)
     ledger = summary["ledger"]
     if ledger:
         unfinished = (f"; INCOMPLETE: replica(s) {', '.join(map(str, ledger['unfinished']))} did not reach step "

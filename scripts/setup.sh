@@ -27,6 +27,12 @@ TORCHREC_DEPS=(pyre-extensions tensordict "torchmetrics==1.0.3" tqdm)
 # the protobuf 7 and numpy 2 the rest of the stack installs. pyarrow: the Parquet sample files
 # (freescale.data.sample_files); duckdb: `freescale prepare`'s out-of-core engine.
 TOOLS=(numpy pyyaml matplotlib pytest pytest-timeout hypothesis "tensorboard==2.21.0" "pyarrow==26.0.1" "duckdb==2.0.1")
+# torchx: the cluster launcher of the replica groups (freescale/torchx.py, docs/cluster.md).
+# Installed with --no-deps like TorchRec: it pins urllib3<1.27 (for its docker scheduler, which
+# needs the docker package too), and would downgrade the urllib3 2 the rest of the stack has;
+# its local, SLURM and Kubernetes paths need only these.
+TORCHX=torchx==0.7.0
+TORCHX_DEPS=(docstring-parser importlib-metadata tabulate filelock fsspec pyre-extensions pyyaml)
 
 TORCH_INDEX=()
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
@@ -46,6 +52,7 @@ if [ "${1:-}" = "--plan" ]; then
   echo "$TORCH ${TORCH_INDEX[*]}"
   echo "$FBGEMM $TORCHFT"
   echo "$TORCHREC (--no-deps) ${TORCHREC_DEPS[*]}"
+  echo "$TORCHX (--no-deps) ${TORCHX_DEPS[*]}"
   echo "${TOOLS[*]}"
   exit 0
 elif [ -n "${1:-}" ]; then
@@ -53,7 +60,7 @@ elif [ -n "${1:-}" ]; then
   exit 2
 fi
 
-stamp_text="$BUILD $TORCH ${TORCH_INDEX[*]} $FBGEMM $TORCHFT $TORCHREC ${TORCHREC_DEPS[*]} ${TOOLS[*]} editable"
+stamp_text="$BUILD $TORCH ${TORCH_INDEX[*]} $FBGEMM $TORCHFT $TORCHREC ${TORCHREC_DEPS[*]} ${TOOLS[*]} $TORCHX ${TORCHX_DEPS[*]} editable"
 stamp="$venv/.freescale-stamp"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_text" ] && "$venv/bin/python" -c "import freescale" 2>/dev/null; then
   exit 0
@@ -76,8 +83,11 @@ echo "[setup] installing $TORCHREC and its dependencies" >&2
 "${pip[@]}" "${TORCHREC_DEPS[@]}" "$TORCH"
 echo "[setup] installing tools and freescale (editable)" >&2
 "${pip[@]}" "${TOOLS[@]}" "$TORCH"
+echo "[setup] installing $TORCHX" >&2
+"${pip[@]}" --no-deps "$TORCHX"
+"${pip[@]}" "${TORCHX_DEPS[@]}" "$TORCH"
 "${pip[@]}" --no-deps -e "$root"
-"$venv/bin/python" -c "import torchrec, fbgemm_gpu, torchft, torch.utils.tensorboard" >&2
+"$venv/bin/python" -c "import torchrec, fbgemm_gpu, torchft, torch.utils.tensorboard, torchx.specs, torchx.schedulers.local_scheduler" >&2
 if [ "$BUILD" = cuda ]; then
   "$venv/bin/python" -c "import torch, fbgemm_gpu; assert torch.cuda.is_available(), 'torch sees no GPU'; print('[setup] CUDA', torch.version.cuda, torch.cuda.get_device_name(0))" >&2
 fi

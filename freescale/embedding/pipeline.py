@@ -43,13 +43,12 @@ same order as in ``sync``, and read only after every update before it: the numer
 identical. The pipeline drains (``drain``: applies the deferred gradients) before evaluation,
 before a checkpoint and at the end of the data.
 
-Under the replica layer (``freescale.embedding.replicated``) a step's row gradients are summed
-across the groups and applied after the vote, in both pipelines: ``sync`` exchanges the rows
-it wrote with the other groups after its gradient exchange; ``prioritized`` does it between
-forward and backward, so that batch i+1's collision rows are those *any* group's batch i
-writes (the early rows are then final whatever the other groups do), waits for all of batch
-i's gradients (collision rows first, as above) and for batch i+1's exclusive rows before the
-vote, and sends batch i+1's collision rows once the update is in.
+Under the replica layer a step's row gradients are summed across the groups and applied after
+the vote, in both pipelines: their replicated variants (``freescale.embedding.replicated``,
+chosen at build time when ``ft.enable`` is on) are subclasses that override the hooks of
+these schedules where the layer takes part (``_begin_step``, ``_draw`` and ``_end_step`` of
+``sync``; ``_stage_after``, ``_before_forward``, ``_between_forward_and_backward``,
+``_finish`` and ``_finish_last`` of ``prioritized``); the schedules here ask nothing about it.
 
 On CPU the exchanges run in the transport's threads (gloo's, or the ``host_staged`` proxy)
 while this rank's main thread computes; the timeline marks the waits: ``id_wait``,
@@ -77,6 +76,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Iterator
 
 import torch
@@ -86,9 +86,8 @@ import torch.nn as nn
 from freescale.data.batch import Batch, SideLayout
 from freescale.device import Streams, to_device
 from freescale.embedding.exchange import PendingRoute, Route, ShardedTables, counts_by
-from freescale.embedding.replicated import row_gradients
 from freescale.embedding.rows import RowMarks
-from freescale.ft.replica import COMMITTED, NullReplica
+from freescale.ft.replica import COMMITTED
 from freescale.model.dense_sharding import DENSE_SHARDINGS, DenseReduction, Replicate
 from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, build_task, task_arguments, task_settings
 from freescale.model.side import SideSpec, pool_bags, side_specs
@@ -238,12 +237,12 @@ class _Deferred:
 
 class OwnedTablesPipeline:
     """What the pipelines over ``OwnedModel`` share: staging a batch, looking up its rows,
-    forward and backward, the dense step, the commit under the replica layer, evaluation.
-    ``progress(batches)`` trains one batch and returns its ``StepOutput``, like TorchRec's
-    pipelines; the subclasses say when the exchanges happen."""
+    forward and backward, the dense step, evaluation. ``progress(batches)`` trains one batch
+    and returns its ``StepOutput``, like TorchRec's pipelines; the subclasses say when the
+    exchanges happen, and their replicated variants (``freescale.embedding.replicated``)
+    override the hooks where the replica layer takes part in a step."""
 
-    def __init__(self, model: OwnedModel, optimizer, transport, group: dist.ProcessGroup, timeline, *,
-                 replica=None) -> None:
+    def __init__(self, model: OwnedModel, optimizer, transport, group: dist.ProcessGroup, timeline) -> None:
         self.model = model
         self.optimizer = optimizer
         self.transport = transport
@@ -260,24 +259,18 @@ class OwnedTablesPipeline:
         # the order issued, which is the same on every rank.
         self.high = HIGH if transport.lanes > HIGH else NORMAL
         self.row_bytes = self.tables.dim * self.tables.weight.element_size()  # a row, or its gradient
-        # The replica layer: each step is voted on; a batch whose step did not commit (or that
-        # a group catching up did not train) is trained again.
-        self.replica = replica if replica is not None else NullReplica()
-        self.vote = COMMITTED
+        self.vote = COMMITTED  # (every step commits: the replicated variants vote)
+
+    # Whether a batch's rows are updated through its tracked lookup (fbgemm's fused update, when
+    # the pipeline applies the batch's gradients); the replicated variants apply the groups'
+    # sums themselves, after the vote.
+    tracked = True
 
     def progress(self, batches: Iterator):
         raise NotImplementedError
 
-    def _commit(self, plan, ids: torch.Tensor, got: torch.Tensor, dense: "DenseReduction") -> bool:
-        """Under the replica layer: the dense gradients averaged over the group, then the rest of
-        the step across the groups (``ReplicaLayer.finish``: the row gradients ``got`` of the
-        owned ``ids`` summed over ``plan``, the vote, the update). Whether this group's batch is
-        in the model (if not, it is trained again)."""
-        with self.timeline.span("optimizer"):
-            dense.wait()
-        with self.timeline.span("vote"):
-            self.vote = self.replica.finish(plan, row_gradients(plan, ids, got.cpu()))
-        return self.vote.trained
+    def _begin_step(self) -> None:
+        """Before anything of a step (the replicated variants start its quorum here)."""
 
     def _stage(self, batch: Batch | None, wait: bool = True) -> _Staged | None:
         """Start routing ``batch``'s ids (from the host) and move what the dense part reads to the device."""
@@ -367,32 +360,49 @@ class OwnedTablesPipeline:
 class SyncEmbeddingPipeline(OwnedTablesPipeline):
     """The synchronous reference: every exchange of a step waited for where it is issued."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self._replay: Batch | None = None  # a batch whose step did not commit
-
     def progress(self, batches: Iterator):
-        batch, self._replay = (self._replay or next(batches)), None
-        replica = self.replica
-        replica.begin()
-        staged = self._stage(batch)
+        self._begin_step()
+        staged = self._stage(self._draw(batches))
         self._note_exchange(staged)
-        rows = self._lookup_all(staged, track=not replica.enabled)
+        rows = self._lookup_all(staged, track=self.tracked)
         loss, out, grads = self._forward_backward(staged.batch, rows)
         dense = self._reduce_dense()
         route = staged.route
         with self.timeline.span("collision_wait"):
             got = self.transport.all_to_all_single(route.to_owner(grads), route.send_counts, route.recv_counts).wait()
-        if not replica.enabled:
-            self.tables.update_looked_up(staged.looked_up, got)
-            self._dense_step(dense)
-        elif not self._commit(replica.exchange_rows(torch.unique(route.ids), batch), route.ids, got, dense):
-            self._replay = batch
+        self._end_step(staged, got, dense)
         return out
+
+    def _draw(self, batches: Iterator) -> Batch:
+        """The batch the step trains."""
+        return next(batches)
+
+    def _end_step(self, staged: _Staged, got: torch.Tensor, dense: "DenseReduction") -> None:
+        """The step's updates, once the owners hold its row gradients ``got`` (shard-major): the
+        rows through the batch's tracked lookup, then the dense optimizer."""
+        self.tables.update_looked_up(staged.looked_up, got)
+        self._dense_step(dense)
+
+
+@dataclass
+class _Step:
+    """What step i of the prioritized pipeline holds: batch i (``cur``), batch i+1 (``nxt``,
+    None at the end of the data) and batch i+2 (``after``, its ids on their way); the flags
+    exchange that tells the senders which of their ids of i and i+1 are collision rows (once
+    batch i's written rows are known); the step's row plan across the replica groups."""
+
+    cur: _Staged
+    nxt: _Staged | None
+    after: _Staged | None
+    flags: object | None = None
+    plan: object | None = None
 
 
 class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
-    """Collision rows first, exclusive rows early and overlapped (the schedule in the module's docstring)."""
+    """Collision rows first, exclusive rows early and overlapped (the schedule in the module's docstring).
+
+    ``progress`` is the step top to bottom; what follows the backward is ``_finish`` (or
+    ``_finish_last`` at the end of the data), the hooks a variant overrides."""
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -400,124 +410,101 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         self._next: _Staged | None = None
         self._deferred: _Deferred | None = None
         self._started = False
-        self._replay_after: tuple | None = None  # the batch after next, already staged, of a step trained again
         self.collision_rates: list[float] = []
         self._marks: RowMarks | None = None  # a mark per local row (made at the first split)
 
     def progress(self, batches: Iterator):
-        if not self._started:
-            self._started = True
-            first = next(batches)
-            self._cur = self._stage(first)
-            self._cur.rows = self._lookup_all(self._cur, track=not self.replica.enabled)
-            self._next = self._stage(next(batches, None))
+        self._start(batches)
         if self._cur is None:
             raise StopIteration
-        cur, nxt, tables, replica = self._cur, self._next, self.tables, self.replica
-        replica.begin()
-        self._note_exchange(cur)
-        # The batch after next: its id exchange starts now and ends during this step (a step
-        # trained again keeps the one it staged).
-        if self._replay_after is not None:
-            (after,), self._replay_after = self._replay_after, None
-        else:
-            after = self._stage(next(batches, None), wait=False) if nxt is not None else None
-        plan = None
-        # Batch i+1's rows split at their owners and the senders told which are which: what
-        # batch i writes is known before its forward (under the replica layer, only once the
-        # groups have said what theirs write), so the flags travel during the forward.
-        flags = self._split(cur, nxt, cur.route.ids) if nxt is not None and not replica.enabled else None
-
-        def between_forward_and_backward() -> None:
-            nonlocal plan, flags
-            # Batch i-1's deferred gradients (their exchange overlapped the loading and the
-            # forward), before anything reads those rows: the lookup below is the step's first read.
-            self._apply_deferred()
-            if replica.enabled:  # the rows every group's batch i writes
-                plan = replica.exchange_rows(torch.unique(cur.route.ids), cur.batch)
-                if nxt is not None:
-                    flags = self._split(cur, nxt, plan.rows(0))
-            if nxt is not None:
-                # Batch i+1's exclusive rows (final: batch i does not write them) sent now,
-                # waited for at batch i+1's first read.
-                self._take_flags(cur, nxt, flags)
-                self._send_exclusive_rows(nxt)
-
+        self._begin_step()
+        step = _Step(self._cur, self._next, self._stage_after(batches))
+        self._note_exchange(step.cur)
+        self._before_forward(step)
         # Batch i's forward (its first read waits for its rows) and backward.
-        loss, out, grads = self._forward_backward(cur.batch, lambda: self._rows(cur),
-                                                  between=between_forward_and_backward)
+        loss, out, grads = self._forward_backward(step.cur.batch, partial(self._rows, step.cur),
+                                                  between=partial(self._between_forward_and_backward, step))
         dense = self._reduce_dense()
-        if after is not None:
+        if step.after is not None:
             with self.timeline.span("id_wait"):
-                after.pending.send()
-        route = cur.route
-        sent = route.to_owner(grads)
-        if nxt is None:
+                step.after.pending.send()
+        sent = step.cur.route.to_owner(grads)
+        if step.nxt is None:
             # End of the data: nothing reads ahead, every row is updated now.
+            route = step.cur.route
             with self.timeline.span("collision_wait"):
                 got = self.transport.all_to_all_single(sent, route.send_counts, route.recv_counts).wait()
-            if replica.enabled:
-                return self._end_replicated(out, plan, got, dense)
-            self._update(cur, got)
-            self._dense_step(dense)
-            self._cur, self._next = nxt, after
-            return out
-        # Collision gradients first; then the rest of batch i's gradients, deferred.
-        hot = cur.sent_collide
-        collision = self.transport.all_to_all_single(
-            sent.index_select(0, self._at(hot)), _per_owner(route, hot), _per_rank(route.recv_counts, cur.owned_collide),
-            lane=self.high)
-        if replica.enabled:
-            deferred = self._send_deferred(cur, sent)
-            with self.timeline.span("collision_wait"):
-                hot_got = collision.wait()
-            return self._finish_replicated(out, plan, self._all_gradients(cur, hot_got, deferred), dense, after)
-        # The dense optimizer steps while the collision gradients cross (as PEC's does beside its
-        # overlapping gradients): it reads nothing the exchange writes.
+            self._finish_last(step, got, dense)
+        else:
+            self._finish(step, sent, dense)
+        return out
+
+    def _start(self, batches: Iterator) -> None:
+        """At the first step: batch 1's rows looked up, batch 2's ids on their way."""
+        if self._started:
+            return
+        self._started = True
+        self._cur = self._stage(next(batches))
+        self._cur.rows = self._lookup_all(self._cur, track=self.tracked)
+        self._next = self._stage(next(batches, None))
+
+    def _stage_after(self, batches: Iterator) -> _Staged | None:
+        """The batch after next: its id exchange starts now and ends during this step."""
+        return self._stage(next(batches, None), wait=False) if self._next is not None else None
+
+    def _before_forward(self, step: _Step) -> None:
+        """Batch i+1's rows split at their owners and the senders told which are which: what
+        batch i writes (its own rows) is known before its forward, so the flags travel during it."""
+        if step.nxt is not None:
+            step.flags = self._split(step.cur, step.nxt, step.cur.route.ids)
+
+    def _between_forward_and_backward(self, step: _Step) -> None:
+        """Batch i-1's deferred gradients (their exchange overlapped the loading and the
+        forward), before anything reads those rows: the lookup here is the step's first read.
+        Then batch i+1's exclusive rows (final: batch i does not write them) are sent, to be
+        waited for at batch i+1's first read."""
+        self._apply_deferred()
+        if step.nxt is not None:
+            self._take_flags(step.cur, step.nxt, step.flags)
+            self._send_exclusive_rows(step.nxt)
+
+    def _finish(self, step: _Step, sent: torch.Tensor, dense: "DenseReduction") -> None:
+        """After batch i's backward (``sent``: its row gradients, owner-major): the collision
+        gradients first; the dense optimizer steps while they cross (as PEC's does beside its
+        overlapping gradients: it reads nothing the exchange writes); the owners update those
+        rows and send batch i+1's collision rows, now updated; then the rest of batch i's
+        gradients, deferred to the next step (after: nothing large competes with the collision
+        exchange for the wire or the CPU)."""
+        cur, nxt = step.cur, step.nxt
+        collision = self._send_collision_gradients(cur, sent)
         self._dense_step(dense)
         with self.timeline.span("collision_wait"):
             got = collision.wait()
-        tables.update(self._on_device(_take(route.ids, cur.owned_collide)), got)
-        # The owners send batch i+1's collision rows, now updated; then the deferred gradients
-        # (after: nothing large competes with the collision exchange for the wire or the CPU).
+        self.tables.update(self._on_device(_take(cur.route.ids, cur.owned_collide)), got)
         self._send_collision_rows(nxt)
         self._deferred = self._send_deferred(cur, sent)
-        self._cur, self._next = nxt, after
+        self._advance(step)
         if self._next is None:
             self.drain()  # the data ended: nothing is deferred past the last batch
-        return out
 
-    def _finish_replicated(self, out, plan, got: torch.Tensor, dense, after):
-        """Under the replica layer, the rest of step i once batch i's gradients are at their
-        owners: the vote (``_commit``), then batch i+1's collision rows. Nothing was written
-        before the vote; after a catch-up the tables are a peer's, so rows read before it are
-        read anew. Batch i+1's exclusive rows are in before the vote: a step trained again
-        leaves no exchange of its own in flight."""
-        cur, nxt = self._cur, self._next
-        with self.timeline.span("exclusive_wait"):
-            nxt.exclusive = self._wait(nxt.exclusive)
-        trained = self._commit(plan, cur.route.ids, got, dense)
-        if not trained:  # the same batch again; the batch after next stays staged
-            if self.vote.rewritten:
-                cur.rows = self._lookup_all(cur)
-            self._replay_after = (after,)
-            return out
-        if self.vote.rewritten:
-            nxt.rows = self._lookup_all(nxt)
-        else:
-            self._send_collision_rows(nxt)
-        self._cur, self._next = nxt, after
-        return out
+    def _finish_last(self, step: _Step, got: torch.Tensor, dense: "DenseReduction") -> None:
+        """The last batch of the data, ``got`` every gradient its owner receives: every row and
+        the dense part updated now."""
+        self._update(step.cur, got)
+        self._dense_step(dense)
+        self._advance(step)
 
-    def _end_replicated(self, out, plan, got: torch.Tensor, dense):
-        """Under the replica layer, the last batch of the data: the vote, nothing read ahead."""
-        if self._commit(plan, self._cur.route.ids, got, dense):
-            self._cur = None
-        elif self.vote.rewritten:
-            self._cur.rows = self._lookup_all(self._cur)
-        return out
+    def _advance(self, step: _Step) -> None:
+        """Batch i+1 becomes the batch in hand, batch i+2 the next."""
+        self._cur, self._next = step.nxt, step.after
 
     # Parts ---------------------------------------------------------------------------------
+
+    def _send_collision_gradients(self, cur: _Staged, sent: torch.Tensor):
+        """Batch i's gradients of its collision rows to their owners, first (high lane)."""
+        hot = cur.sent_collide
+        return self.transport.all_to_all_single(sent.index_select(0, self._at(hot)), _per_owner(cur.route, hot),
+                                                _per_rank(cur.route.recv_counts, cur.owned_collide), lane=self.high)
 
     def _split(self, cur: _Staged, nxt: _Staged, written: torch.Tensor):
         """Collision rows at this owner: those of batch i+1 in ``written`` (what batch i writes);
@@ -556,8 +543,8 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
 
     def _send_exclusive_rows(self, nxt: _Staged) -> None:
         """Batch i+1's exclusive rows, looked up now, to their readers (normal lane); the lookup
-        is tracked (its backward applies batch i+1's deferred gradients) unless the replica layer
-        updates the rows."""
+        is tracked (its backward applies batch i+1's deferred gradients) where the pipeline
+        updates the rows (``tracked``)."""
         route, cold = nxt.route, ~nxt.owned_collide
         every = bool(cold.all())
         ins, outs = _per_rank(route.recv_counts, cold), _per_owner(nxt.route, ~nxt.sent_collide)
@@ -565,11 +552,10 @@ class PrioritizedEmbeddingPipeline(OwnedTablesPipeline):
         with self.streams.on(self.side), self.timeline.device_span("exclusive_send", self.side):
             self.streams.hand_over(route.device_ids, self.side)
             ids = route.device_ids if every else self._on_device(_take(route.ids, cold))
-            nxt.looked_up = self.tables.lookup(ids, track=not self.replica.enabled)
-            nxt.exclusive = self.transport.all_to_all_single(nxt.looked_up.detach(), ins, outs, lane=NORMAL)
+            looked_up = self.tables.lookup(ids, track=self.tracked)
+            nxt.exclusive = self.transport.all_to_all_single(looked_up.detach(), ins, outs, lane=NORMAL)
+        nxt.looked_up = looked_up if self.tracked else None
         nxt.left_out = None if every else nxt.owned_collide
-        if self.replica.enabled:
-            nxt.looked_up = None
 
     def _send_collision_rows(self, nxt: _Staged) -> None:
         """Batch i+1's collision rows, looked up now (after batch i's update), to their readers."""

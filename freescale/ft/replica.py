@@ -26,7 +26,9 @@ own, ``freescale.ft.table_sync`` for TorchRec's). A step:
 A cross-replica collective that fails aborts the process group at once (gloo's abort closes
 its connections), so a peer blocked on this group in the same collective is released rather
 than left waiting for a group that gave up; the next quorum rebuilds the group without the
-dead replica.
+dead replica. A group that hangs rather than dies keeps its sockets open and says nothing: the
+hang watchdog (``freescale.ft.watchdog``) gives the step's collectives up once the lighthouse
+has not heard the group for ``ft.hang_timeout_s``, and they fail the same way.
 
 A batch that enters a step is in the model as soon as its contribution reaches the peers: they
 may commit the step even if this group dies before its own vote. So the layer hands the batch
@@ -44,7 +46,15 @@ peers' step with zeros and loads their state); if none is (every group was lost)
 step pass, loads the newest checkpoint of the job and tries again, so the groups that come
 back meet on the newest state and go on from there.
 
-Off (``ft.enable: false``) the trainer holds a ``NullReplica``: every step commits and trains.
+The layer drives torchft's parts but does not make them: ``build_manager`` makes the
+``Manager`` and its process group, with the declared faults' wrappers around them
+(``freescale.ft.faults``), and ``build_replica`` hands them to ``ReplicaLayer`` (a test hands
+it fakes: ``tests/helpers/fake_manager.py``). The pipelines that call ``exchange_rows`` and
+``finish`` are the replicated variants (``freescale.train.pipelines.REPLICATED``), chosen when
+``ft.enable`` is on; no plain pipeline asks whether the layer is there.
+
+Off (``ft.enable: false``) the trainer holds a ``NullReplica`` (the trainer's calls: ``join``,
+``committed``, ``check_group``, ``close``; every step commits and trains).
 """
 
 from __future__ import annotations
@@ -63,6 +73,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 
 from freescale.device import CopyEngine, staged_on_host
+from freescale.env import TORCHFT_LIGHTHOUSE
 from freescale.ft.catchup import load_transferred, transfer_state
 from freescale.ft.row_exchange import Header, RowPlan, empty_plan, pack_header, pack_keys, plan_rows, read_header
 from freescale.io import write_json_atomic
@@ -71,10 +82,11 @@ from freescale.profile.timeline import phase
 
 log = logging.getLogger("freescale")
 
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+LIGHTHOUSE_ENV = TORCHFT_LIGHTHOUSE
 CURSOR_FILE = "ft_cursor.json"
 COMMITS_FILE = "ft_commits.jsonl"
 NO_KEYS = torch.zeros(0, dtype=torch.int64)
+STATE_KEY = "freescale"  # the layer's state among the manager's registered state dicts
 
 
 @dataclass(frozen=True)
@@ -136,10 +148,12 @@ class ReplicaFiles:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{self.cursor_path}: unreadable data cursor ({e})") from e
 
-    def write(self, step: int, next_batch: int, trained: bool) -> None:
+    def write(self, step: int, next_batch: int, trained: bool, blocked_s: float = 0.0) -> None:
+        """``blocked_s``: the time the group waited for the others since its last commit."""
         now = time.time()
         with open(self.commits_path, "a") as f:
-            f.write(json.dumps({"step": step, "next_batch": next_batch, "trained": trained, "time": now}) + "\n")
+            f.write(json.dumps({"step": step, "next_batch": next_batch, "trained": trained, "time": now,
+                                "blocked_s": round(blocked_s, 6)}) + "\n")
         self.write_progress(step, next_batch, now)
 
     def write_progress(self, step: int, next_batch: int, now: float | None = None) -> None:
@@ -148,17 +162,17 @@ class ReplicaFiles:
 
 
 class ReplicaLayer:
-    """One rank's part of the replica layer (see the module docstring)."""
+    """One rank's part of the replica layer (see the module docstring).
+
+    ``manager`` and ``pg`` are torchft's ``Manager`` and the process group it was built over
+    (``build_manager``: the declared faults' wrappers and the hang watchdog already around
+    them; ``watchdog``, closed with the layer); the layer registers its state with the manager
+    and drives both, and a test hands it fakes."""
 
     enabled = True
 
-    def __init__(self, cfg, topo, state, dense_params: list, optimizer, side, faults, files: ReplicaFiles) -> None:
-        os.environ.setdefault("RUST_LOG", "warn")  # torchft's managers log every quorum and vote at info
-        from torchft import Manager, ProcessGroupGloo
-        from torchft.checkpointing import HTTPTransport
-
-        from freescale.ft.faults import wrap_manager, wrap_process_group, wrap_transport
-
+    def __init__(self, cfg, topo, state, dense_params: list, optimizer, side, files: ReplicaFiles, *,
+                 manager, pg, watchdog=None) -> None:
         ft = cfg.ft
         self.cfg = ft
         self.replicas = ft.num_replicas
@@ -178,28 +192,18 @@ class ReplicaLayer:
         self._header: Header | None = None
         self._stash: dict | None = None  # a peer's state, until the group's vote
         self._joining = False
+        self._blocked_s = 0.0  # the step's time waiting for the other groups (quorum, collectives)
         # (step, batch): called with this group's batch before it enters the step's first
         # cross-replica collective (from then on the peers may commit it)
         self.on_contribute: Callable[[int, object], None] | None = None
-        timeout = timedelta(seconds=ft.timeout_s)
-        self.pg = wrap_process_group(ProcessGroupGloo(timeout=timeout), faults, lambda: self._step)
-        manager = Manager(
-            pg=self.pg,
-            load_state_dict=self._receive,
-            state_dict=self._snapshot,
-            min_replica_size=1,  # ft.min_replicas is checked at the vote, counting a group that catches up
-            use_async_quorum=True,
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
-            connect_timeout=timeout,
-            rank=topo.rank,
-            world_size=topo.world_size,
-            lighthouse_addr=os.environ.get(LIGHTHOUSE_ENV) or ft.lighthouse,
-            replica_id=f"replica{ft.replica_id}",
-            checkpoint_transport=wrap_transport(HTTPTransport(timeout=timeout, num_chunks=0), faults),
-            init_sync=False,  # every group draws the same initial weights from run.seed
-        )
-        self.manager = wrap_manager(manager, faults, self._members, self.replicas)
+        self.pg = pg
+        self.manager = manager
+        if watchdog is None:
+            from freescale.ft.watchdog import NullWatchdog
+
+            watchdog = NullWatchdog()
+        self.watchdog = watchdog  # (closed with the layer)
+        manager.register_state_dict_fn(STATE_KEY, self._receive, self._snapshot)
         self._put_back_step()
 
     @property
@@ -244,7 +248,9 @@ class ReplicaLayer:
     def wait_quorum(self) -> int:
         """Wait for the step's quorum (and, for a group catching up, the peer's state); the
         step's number (ahead of the trainer's when catching up)."""
+        waited = time.perf_counter()
         self.manager.wait_quorum()
+        self._blocked_s += time.perf_counter() - waited
         self._step = self.manager.current_step() + 1
         return self._step
 
@@ -338,7 +344,8 @@ class ReplicaLayer:
         if step != self.manager.current_step():
             raise RuntimeError(f"step {step} but torchft's manager is at {self.manager.current_step()}")
         if self.rank == 0:
-            self.files.write(step, next_batch, trained)
+            self.files.write(step, next_batch, trained, self._blocked_s)
+        self._blocked_s = 0.0
 
     # Parts of a step -----------------------------------------------------------------------
 
@@ -351,6 +358,7 @@ class ReplicaLayer:
             tensor.zero_()
         opts = AllreduceOptions()
         opts.reduceOp = ReduceOp.SUM
+        waited = time.perf_counter()
         try:
             # A device tensor goes through pinned host memory by the copy engine (no kernel of
             # ours on the GPU): the groups' gloo process group sums host memory.
@@ -359,6 +367,8 @@ class ReplicaLayer:
             self.manager.report_error(e)
             self._abort(e)
             return False
+        finally:
+            self._blocked_s += time.perf_counter() - waited
         return True
 
     def _copies(self, tensor: torch.Tensor) -> CopyEngine | None:
@@ -482,11 +492,50 @@ class ReplicaLayer:
         return self.finish(plan, torch.zeros(plan.size))
 
     def close(self) -> None:
+        self.watchdog.close()
         self.manager.shutdown(wait=False)
 
 
+def build_manager(cfg, topo, faults, *, step: Callable[[], int], groups_in_step: Callable[[], int]):
+    """torchft's ``Manager`` of this rank and its process group (``ProcessGroupGloo``, joining
+    rank ``topo.rank`` of every group), each inside the wrapper of the faults declared there
+    (``freescale.ft.faults``; the part itself when none is), the group watched by the hang
+    watchdog (``freescale.ft.watchdog``): ``(manager, pg, watchdog)``. The wrappers read
+    ``step`` (the step being attempted) and ``groups_in_step`` (the groups in its quorum)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's managers log every quorum and vote at info
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.checkpointing import HTTPTransport
+
+    from freescale.ft.faults import wrap_manager, wrap_process_group, wrap_transport
+    from freescale.ft.watchdog import build_watchdog
+
+    ft = cfg.ft
+    timeout = timedelta(seconds=ft.timeout_s)
+    lighthouse = os.environ.get(LIGHTHOUSE_ENV) or ft.lighthouse
+    watchdog = build_watchdog(ft, lighthouse)  # a hung group's collectives given up in seconds
+    pg = watchdog.watch(wrap_process_group(ProcessGroupGloo(timeout=timeout), faults, step))
+    manager = Manager(
+        pg=pg,
+        load_state_dict=None,  # (the layer registers its state: ReplicaLayer)
+        state_dict=None,
+        min_replica_size=1,  # ft.min_replicas is checked at the vote, counting a group that catches up
+        use_async_quorum=True,
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=ft.quorum_timeout_s),
+        connect_timeout=timeout,
+        rank=topo.rank,
+        world_size=topo.world_size,
+        lighthouse_addr=lighthouse,
+        replica_id=f"replica{ft.replica_id}",
+        checkpoint_transport=wrap_transport(HTTPTransport(timeout=timeout, num_chunks=0), faults),
+        init_sync=False,  # every group draws the same initial weights from run.seed
+    )
+    return wrap_manager(manager, faults, groups_in_step, ft.num_replicas), pg, watchdog
+
+
 def build_replica(cfg, topo, state, dense_params, optimizer, side, faults, run_dir: str):
-    """The replica layer when ``ft.enable`` is on, else a ``NullReplica``."""
+    """The replica layer over torchft's parts (``build_manager``) when ``ft.enable`` is on, else
+    a ``NullReplica``."""
     if not cfg.ft.enable:
         return NullReplica()
     if "MASTER_ADDR" not in os.environ:
@@ -494,4 +543,9 @@ def build_replica(cfg, topo, state, dense_params, optimizer, side, faults, run_d
 
         raise ConfigError("ft.enable: a replica group runs under torchrun (one torchrun job per group; "
                           "`freescale local` starts them on one host)")
-    return ReplicaLayer(cfg, topo, state, dense_params, optimizer, side, faults, ReplicaFiles(run_dir))
+    layer: ReplicaLayer | None = None  # the fault wrappers ask it, once built, where the step is
+    manager, pg, watchdog = build_manager(cfg, topo, faults, step=lambda: layer._step,
+                                          groups_in_step=lambda: layer._members())
+    layer = ReplicaLayer(cfg, topo, state, dense_params, optimizer, side, ReplicaFiles(run_dir), manager=manager, pg=pg,
+                         watchdog=watchdog)
+    return layer

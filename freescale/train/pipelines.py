@@ -2,21 +2,26 @@
 
 - ``sparse_dist`` (``SparseDistPipeline``): TorchRec's ``TrainPipelineSparseDist``, the
   baseline. It starts batch i+1's input distribution (the id all-to-all) while batch i
-  computes, then blocks on the embedding all-to-alls inside forward and backward. Under the
-  replica layer: ``ReplicaSparseDist``.
+  computes, then blocks on the embedding all-to-alls inside forward and backward.
 - ``base`` (``BasePipeline``): TorchRec's ``TrainPipelineBase``: no overlap, the synchronous
   reference.
 - ``pec`` (``PECPipeline``): TorchRec's PEC modules on the item table, driven by
   ``freescale.train.pec.PECSparseDist`` (TorchRec 1.8.0 has no PEC pipeline), the gradients
-  applied as the standard path applies them (``compat.apply_pec_gradient``). Under the
-  replica layer: ``ReplicaPEC``.
+  applied as the standard path applies them (``compat.apply_pec_gradient``).
 - ``sync`` and ``prioritized`` (``SyncPipeline``, ``PrioritizedPipeline``): FreeScale's own
   row-wise sharded tables, the embedding exchanges synchronous or ordered by priority
   (``freescale.embedding.pipeline``), over a transport of their own.
 
+Under the replica layer (``ft.enable``) each runs as its replicated variant, a subclass that
+overrides the hooks where the layer takes part in a step: ``ReplicaSparseDist``,
+``ReplicaPEC``, ``ReplicaSync`` and ``ReplicaPrioritized`` (whose schedules are
+``freescale.embedding.replicated``'s); ``base`` has none. No schedule asks whether the layer
+is on: the variant is chosen once, at build time (``pipeline_class``).
+
 Each class says which tables its model holds (``table_kind``: ``freescale.train.tables``) and is
-built by ``build(model, optimizer, device, timeline, *, group, transport_cfg, replica)``; the
-registry ``PIPELINES`` maps the config's name to the class, looked up once.
+built by ``build(model, optimizer, device, timeline, *, group, transport_cfg, replica)``
+(``replica``: the layer a replicated variant votes with; the plain ones take none); the
+registries ``PIPELINES`` and ``REPLICATED`` map the config's name to the class, looked up once.
 """
 
 from __future__ import annotations
@@ -121,9 +126,6 @@ class SparseDistPipeline(_TorchRecPipeline):
     @classmethod
     def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None,
               train_cfg=None) -> TrainPipeline:
-        """This pipeline, or ``ReplicaSparseDist`` under the replica layer."""
-        if replica is not None and replica.enabled:
-            return ReplicaSparseDist(model, optimizer, device, timeline, replica)
         return cls(model, optimizer, device, timeline)
 
     def _plain_forwards(self) -> ContextManager:
@@ -133,7 +135,7 @@ class SparseDistPipeline(_TorchRecPipeline):
 class PECPipeline(SparseDistPipeline):
     """``train.pipeline: pec``: TorchRec's PEC modules (``freescale.train.pec``). The NOL
     gradients a step defers are applied by ``drain()``; evaluation runs the plain model, as
-    under ``sparse_dist``. Under the replica layer: ``ReplicaPEC``."""
+    under ``sparse_dist``."""
 
     table_kind = PEC_TABLES
 
@@ -150,10 +152,7 @@ class PECPipeline(SparseDistPipeline):
     def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None,
               train_cfg=None) -> TrainPipeline:
         """``train_cfg.pec_corrections``: apply the gradients corrected (the default) or as shipped."""
-        corrected = train_cfg is None or train_cfg.pec_corrections
-        if replica is not None and replica.enabled:
-            return ReplicaPEC(model, optimizer, device, timeline, replica, corrected=corrected)
-        return cls(model, optimizer, device, timeline, corrected=corrected)
+        return cls(model, optimizer, device, timeline, corrected=train_cfg is None or train_cfg.pec_corrections)
 
     def drain(self) -> None:
         self.inner.drain()
@@ -169,8 +168,6 @@ class BasePipeline(_TorchRecPipeline):
     @classmethod
     def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica=None,
               train_cfg=None) -> TrainPipeline:
-        if replica is not None and replica.enabled:
-            raise ValueError("train.pipeline base does not run under the replica layer")
         return cls(model, optimizer, device, timeline)
 
 
@@ -235,6 +232,11 @@ class ReplicaSparseDist(SparseDistPipeline):
         self._again = None
         super().__init__(model, self.voted, device, timeline)
 
+    @classmethod
+    def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica,
+              train_cfg=None) -> TrainPipeline:
+        return cls(model, optimizer, device, timeline, replica)
+
     @property
     def vote(self):
         return self.voted.vote
@@ -293,6 +295,13 @@ class ReplicaPEC(ReplicaSparseDist):
         self._rewritten = False  # a vote rewrote the tables since the next batch's rows were read
         super().__init__(model, optimizer, device, timeline, replica)
 
+    @classmethod
+    def build(cls, model, optimizer, device, timeline, *, group=None, transport_cfg=None, replica,
+              train_cfg=None) -> TrainPipeline:
+        """``train_cfg.pec_corrections``: apply the gradients corrected (the default) or as shipped."""
+        return cls(model, optimizer, device, timeline, replica,
+                   corrected=train_cfg is None or train_cfg.pec_corrections)
+
     def _make_inner(self, model, optimizer, device, timeline):
         from freescale.train.pec import ReplicatedPECSparseDist
 
@@ -317,6 +326,16 @@ class _OwnedTablesPipeline:
     table_kind = OWNED_TABLES
     schedule: str
 
+    @staticmethod
+    def _schedules() -> dict[str, type]:
+        from freescale.embedding.pipeline import PIPELINES as SCHEDULES
+
+        return SCHEDULES
+
+    @classmethod
+    def _schedule(cls, model, optimizer, transport, group, timeline, replica):
+        return cls._schedules()[cls.schedule](model, optimizer, transport, group, timeline)
+
     def __init__(self, inner, transport) -> None:
         self.inner = inner
         self.transport = transport
@@ -324,13 +343,12 @@ class _OwnedTablesPipeline:
     @classmethod
     def build(cls, model, optimizer, device, timeline, *, group, transport_cfg, replica=None,
               train_cfg=None) -> TrainPipeline:
-        from freescale.embedding.pipeline import PIPELINES as SCHEDULES
         from freescale.transport.registry import build_transport, group_for, lanes_for
 
         lanes, why = lanes_for(transport_cfg.lanes, group, transport_cfg.kind)
         log.info(f"{cls.schedule}: transport {transport_cfg.kind}, {lanes} lane{'s' if lanes > 1 else ''} ({why})")
         transport = build_transport(transport_cfg, group_for(transport_cfg.kind, group), lanes=lanes)
-        return cls(SCHEDULES[cls.schedule](model, optimizer, transport, group, timeline, replica=replica), transport)
+        return cls(cls._schedule(model, optimizer, transport, group, timeline, replica), transport)
 
     def progress(self, batches: Iterator[Batch]) -> StepOutput:
         return self.inner.progress(batches)
@@ -362,14 +380,48 @@ class PrioritizedPipeline(_OwnedTablesPipeline):
     schedule = "prioritized"
 
 
+class _ReplicatedSchedule:
+    """The replicated schedule of the same name (``freescale.embedding.replicated``), voting with ``replica``."""
+
+    @staticmethod
+    def _schedules() -> dict[str, type]:
+        from freescale.embedding.replicated import PIPELINES as REPLICATED_SCHEDULES
+
+        return REPLICATED_SCHEDULES
+
+    @classmethod
+    def _schedule(cls, model, optimizer, transport, group, timeline, replica):
+        return cls._schedules()[cls.schedule](model, optimizer, transport, group, timeline, replica=replica)
+
+
+class ReplicaSync(_ReplicatedSchedule, SyncPipeline):
+    """``train.pipeline: sync`` under the replica layer."""
+
+
+class ReplicaPrioritized(_ReplicatedSchedule, PrioritizedPipeline):
+    """``train.pipeline: prioritized`` under the replica layer."""
+
+
 PIPELINES: dict[str, type] = {"sparse_dist": SparseDistPipeline, "base": BasePipeline, "pec": PECPipeline,
                               "sync": SyncPipeline,
                               "prioritized": PrioritizedPipeline}
+REPLICATED: dict[str, type] = {"sparse_dist": ReplicaSparseDist, "pec": ReplicaPEC, "sync": ReplicaSync,
+                               "prioritized": ReplicaPrioritized}
+"""The pipelines under the replica layer, by ``train.pipeline`` (``base`` has no replicated variant)."""
+
+
+def pipeline_class(name: str, replicated: bool) -> type:
+    """The class of ``train.pipeline`` ``name``: its replicated variant when the replica layer is on."""
+    if replicated and name not in REPLICATED:
+        raise ValueError(f"train.pipeline {name} does not run under the replica layer")
+    return (REPLICATED if replicated else PIPELINES)[name]
 
 
 def build_pipeline(name: str, model: torch.nn.Module, optimizer, device: torch.device, timeline, *,
                    group=None, transport_cfg=None, replica=None, train_cfg=None) -> TrainPipeline:
     """The named pipeline; ``timeline`` receives its phase spans (a NullTimeline when not profiling);
-    ``replica``: the replica layer the step votes with; ``train_cfg``: the config's train section."""
-    return PIPELINES[name].build(model, optimizer, device, timeline, group=group, transport_cfg=transport_cfg,
-                                 replica=replica, train_cfg=train_cfg)
+    ``replica``: the replica layer its steps vote with (the replicated variant; None: the plain
+    pipeline); ``train_cfg``: the config's train section."""
+    return pipeline_class(name, replica is not None).build(model, optimizer, device, timeline, group=group,
+                                                          transport_cfg=transport_cfg, replica=replica,
+                                                          train_cfg=train_cfg)

@@ -1,6 +1,7 @@
 """The training a config names, built in one place: the model, its optimizer and the pipeline.
 
-``build_training`` looks ``train.pipeline`` up in ``PIPELINES`` once; the pipeline's table
+``build_training`` looks ``train.pipeline`` up once (its replicated variant when ``ft.enable``
+is on: ``pipeline_class``); the pipeline's table
 kind (``freescale.train.tables``) builds the model and its optimizer. The rest follows in the
 trainer's order: a checkpoint is loaded into the model and the optimizer, the replica layer is
 built over their dense part and the tables (``dense_parameters``, ``dense_optimizer``,
@@ -18,7 +19,7 @@ from freescale.config import ExperimentConfig
 from freescale.data.batch import SideLayout
 from freescale.distributed import Topology
 from freescale.model.sharding import dense_parameters
-from freescale.train.pipelines import PIPELINES, TrainPipeline
+from freescale.train.pipelines import PIPELINES, TrainPipeline, pipeline_class
 
 
 def check_device(cfg: ExperimentConfig, device: torch.device) -> None:
@@ -61,7 +62,8 @@ class Training:
         return self.pipeline_class.table_kind.table_side(self.cfg, self.model)
 
     def build_pipeline(self, device: torch.device, timeline, *, group, replica) -> TrainPipeline:
-        """The pipeline; ``timeline`` receives its phase spans, ``replica`` votes on its steps."""
+        """The pipeline; ``timeline`` receives its phase spans, ``replica`` votes on its steps
+        (the replicated variant's; a plain pipeline takes none)."""
         return self.pipeline_class.build(self.model, self.optimizer, device, timeline, group=group,
                                          transport_cfg=self.cfg.transport, replica=replica, train_cfg=self.cfg.train)
 
@@ -70,7 +72,7 @@ def build_training(cfg: ExperimentConfig, *, num_items: int, topology: Topology,
                    side_layout: SideLayout = SideLayout()) -> Training:
     """The model (its tables sharded over the replica's ranks; ``side_layout``: the source's side
     features, of which it reads ``model.side_features``) and its optimizer, for ``train.pipeline``."""
-    pipeline_class = PIPELINES[cfg.train.pipeline]
-    tables = pipeline_class.table_kind
+    chosen = pipeline_class(cfg.train.pipeline, cfg.ft.enable)
+    tables = chosen.table_kind
     model = tables.build_model(cfg, num_items=num_items, topology=topology, device=device, side_layout=side_layout)
-    return Training(cfg, model, tables.build_optimizer(model, cfg.train), pipeline_class)
+    return Training(cfg, model, tables.build_optimizer(model, cfg.train), chosen)

@@ -463,3 +463,49 @@ def test_groups_on_prepared_parquet_data_lose_no_sample_across_a_kill(tmp_path):
     assert [f["cause"] for f in summary["groups"][1]["failures"]] == ["killed"]
     ids = train_ids(data)
     assert_exactly_once(run, summary, 300, batch_ids=lambda k: batches_of(ids, [k], 16)[k])
+
+
+def test_the_survivors_of_a_hung_group_go_on_within_two_seconds_and_it_catches_up_when_it_wakes(tmp_path):
+    # Three groups of one rank; every process of group 2 is SIGSTOPped once it has trained 20
+    # batches (its sockets stay open: a hang, not a crash) and SIGCONTed 15 s later. Group 2
+    # stalls 3 s inside the first all-reduce of step 21, the others waiting in it, so the stop
+    # lands there (the launcher sees step 20 committed within a poll) and not between two steps,
+    # where the lighthouse alone drops a silent group from the next quorum. Holds order the rest
+    # by events: every group holds at step 1 (all three are in step 20), and groups 0 and 1 hold
+    # at step 150 until group 2 is back, so it wakes to a live run however long it slept.
+    run = tmp_path / "run"
+    proc, summary = local(run, "--replicas", "3", "--nproc", "1", "--stop", "2@20:15",
+                          "--faults=[{at_step: 1, during: vote, kind: hold},"
+                          " {at_step: 21, during: allreduce, kind: delay, delay_s: 3, replicas: [2]},"
+                          " {at_step: 150, during: vote, kind: hold, replicas: [0, 1]}]",
+                          "--train.steps=170", "--checkpoint.at_end=true")
+    check(proc)
+    (failure,) = summary["groups"][2]["failures"]
+    assert failure["cause"] == "stopped" and failure["restart_delay_s"] >= 15
+    stopped, continued = failure["down_at"], failure["down_at"] + failure["restart_delay_s"]
+    for g in (0, 1):
+        times = [c["time"] for c in commits(run, g)]
+        held = next(c["time"] for c in commits(run, g) if c["step"] == 149)  # (from then on it holds)
+        end = min(continued, held)
+        assert end - stopped > 5, (stopped, end)  # the window holds the detection and steps after it
+        window = [stopped] + [t for t in times if stopped < t <= end]
+        assert len(window) > 20, window
+        # The acceptance itself is a time bound: with group 2 hung, the others commit again
+        # within 2 s of its last heartbeat (the stop: it beats every 0.1 s until then) and never
+        # go 2 s without a commit while it is stopped (ft.hang_timeout_s is 1 s; the collective
+        # timeout, ft.timeout_s, 10 s), measured from the commit times the groups write.
+        assert max(b - a for a, b in zip(window, window[1:])) < 2.0, (g, window[:3])
+        assert failure["stall_s"][f"replica{g}"] > 0
+        # (by the watchdog: the others were in the all-reduce with group 2 when it stopped)
+        assert re.search(rf"\[r{g}/0\] giving up quorum \d+'s collectives: replica group replica2 of quorum \d+ "
+                         rf"sent no heartbeat", logs(run, g))
+    # Group 2 woke in a step it did not commit (the others gave it up; or it was stopped between
+    # two steps), caught up from a peer once, in its first commit, and went on.
+    assert len(re.findall(r"caught up with a peer", logs(run, 2))) == 1
+    woke = [c for c in commits(run, 2) if c["time"] > continued]
+    assert [c["trained"] for c in woke] == [False] + [True] * (len(woke) - 1), woke[:3]
+    steps = [c["step"] for c in commits(run, 2)]
+    assert steps == sorted(set(steps)) and steps[-1] == 170
+    assert_exactly_once(run, summary, 170)
+    assert summary["slow"] == []  # a hung group is not a slow one
+    assert_groups_agree(run, 3, tmp_path, since=failure["rejoined_at"])

@@ -1,8 +1,7 @@
 """The ranks of a replica group check, before every vote and at the end of a run, that they hold
 the same trainer step, torchft step and data cursor, and a step whose vote finds them apart is
-not committed (2 gloo ranks, torchft's manager faked)."""
-
-from types import SimpleNamespace
+not committed (2 gloo ranks, torchft's manager and process group faked:
+``helpers.fake_manager``)."""
 
 import pytest
 import torch.distributed as dist
@@ -11,62 +10,54 @@ from helpers.spawn import run_ranks
 
 
 def _layer(trainer_step: int, manager_step: int, next_batch: int):
-    from freescale.ft.replica import ReplicaLayer
+    from helpers.fake_manager import make_layer
 
-    layer = ReplicaLayer.__new__(ReplicaLayer)  # the check alone: no manager server, no lighthouse
-    errors = []
-    layer.manager = SimpleNamespace(current_step=lambda: manager_step, report_error=errors.append,
-                                    errored=lambda: errors[-1] if errors else None)
-    layer.state = SimpleNamespace(parts={"trainer": SimpleNamespace(step=trainer_step),
-                                         "data": SimpleNamespace(next_batch=next_batch)})
-    layer.group, layer.replica = dist.group.WORLD, 1
-    return layer, errors
+    t = make_layer(replicas=2, replica=1, step=trainer_step, next_batch=next_batch, group=dist.group.WORLD,
+                   rank=dist.get_rank())
+    t.manager._step = manager_step  # (the layer put it back to the trainer's)
+    return t.layer, t.manager
 
 
 def _check(rank, world):
-    layer, errors = _layer(10, 10, 5)
+    layer, manager = _layer(10, 10, 5)
     layer._check_group()
-    assert errors == []
+    assert manager.errored() is None
     layer.check_group("the end of the run")
     # Rank 1 took a peer's state that rank 0 did not: torchft's step and the trainer's differ.
-    layer, errors = _layer(10, 20 if rank else 10, 5)
+    layer, manager = _layer(10, 20 if rank else 10, 5)
     layer._check_group()
-    assert len(errors) == 1 and "torchft step 10..20" in str(errors[0])
+    assert "torchft step 10..20" in str(manager.errored())
     # A data cursor that differs fails too, and at the end of a run it raises.
-    layer, errors = _layer(10, 10, 5 + rank)
+    layer, manager = _layer(10, 10, 5 + rank)
     with pytest.raises(RuntimeError, match=r"ranks of replica 1 disagree .*data cursor 5\.\.6\) at the end of the run"):
         layer.check_group("the end of the run")
     # A step whose vote finds the ranks apart is not committed, on either rank: nothing is
-    # applied, what the step wrote goes back, torchft's step is put back to the trainer's.
-    vote, moved, rolled_back, applied, put_back = _vote(rank, world, next_batch=5)
-    assert (vote.stepped, vote.trained, moved, rolled_back, applied, put_back) == (True, True, True, 0, 1, [])
-    vote, moved, rolled_back, applied, put_back = _vote(rank, world, next_batch=5 + rank)
-    assert (vote.stepped, vote.trained, moved, rolled_back, applied, put_back) == (False, False, False, 1, 0, [10])
+    # applied, what the step wrote goes back, torchft's step stays the trainer's.
+    vote, moved, rolled_back, applied, step = _vote(rank, world, next_batch=5)
+    assert (vote.stepped, vote.trained, moved, rolled_back, applied, step) == (True, True, True, 0, 1, 11)
+    vote, moved, rolled_back, applied, step = _vote(rank, world, next_batch=5 + rank)
+    assert (vote.stepped, vote.trained, moved, rolled_back, applied, step) == (False, False, False, 1, 0, 10)
 
 
 def _vote(rank, world, next_batch: int) -> tuple:
     """A whole step of a group of one replica (torchft's manager faked: it commits unless an
     error was reported) on this rank holding data cursor ``next_batch``: (its vote, whether the
-    dense weights moved, the table side's rollbacks and applied steps, the step torchft's was put back to)."""
+    dense weights moved, the table side's rollbacks and applied steps, torchft's step after it)."""
     import torch
 
     from freescale.ft.replica import NO_KEYS
-    from freescale.ft.row_exchange import RowSpace
-    from helpers.replica_stub import FakeManager, SideStub, SumAcrossThreads, stub_layer
+    from helpers.fake_manager import Quorum, make_layer
 
-    torch.manual_seed(0)
-    model = torch.nn.Linear(2, 2)
-    before = [p.detach().clone() for p in model.parameters()]
-    for p in model.parameters():
+    t = make_layer([Quorum(participants=1)], replicas=1, step=10, next_batch=next_batch, group=dist.group.WORLD,
+                   rank=rank)
+    before = [p.detach().clone() for p in t.model.parameters()]
+    t.layer.begin()
+    plan = t.layer.exchange_rows(NO_KEYS, batch="its batch")
+    for p in t.model.parameters():
         p.grad = torch.ones_like(p)
-    manager, side = FakeManager(participating=True, participants=1, step=10), SideStub(RowSpace((4,), (2,)))
-    layer = stub_layer(replica=0, replicas=1, manager=manager, pg=SumAcrossThreads(1).member(0), side=side,
-                       params=list(model.parameters()), optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
-                       group=dist.group.WORLD, trainer_step=10, next_batch=next_batch)
-    plan = layer.exchange_rows(NO_KEYS, batch="its batch")
-    vote = layer.finish(plan, torch.zeros(plan.size))
-    moved = any(not torch.equal(p.detach(), b) for p, b in zip(model.parameters(), before))
-    return vote, moved, side.rolled_back, len(side.applied), [s["step"] for s in manager.loaded]
+    vote = t.layer.finish(plan, torch.zeros(plan.size))
+    moved = any(not torch.equal(p.detach(), b) for p, b in zip(t.model.parameters(), before))
+    return vote, moved, t.tables.events.count("rollback"), len(t.tables.applied), t.manager.current_step()
 
 
 def test_a_group_whose_ranks_disagree_fails_its_step():

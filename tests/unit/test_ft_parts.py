@@ -170,7 +170,7 @@ def test_config_checks_of_the_layer():
                                (["ft.enable=false", "faults=[{at_step: 3, during: vote, kind: hold}]"],
                                 r"faults\[0\].during: vote needs the replica layer"),
                                (["faults=[{}, {ranks: [-1]}]"], r"faults\[1\].ranks: expected rank numbers >= 0"),
-                               (["faults=[{at_step: 3, kind: sleep}]"], r"faults\[0\].kind: expected one of raise, exit, delay, hold"),
+                               (["faults=[{at_step: 3, kind: sleep}]"], r"faults\[0\].kind: expected one of raise, exit, delay, slow, hold"),
                                (["faults={at_step: 3}"], "faults: expected a list of sections"),
                                (["faults.at_step=3"], r"'faults' is a list: set it whole, --faults=\[...\]")]:
         with pytest.raises(ConfigError, match=message):
@@ -215,26 +215,6 @@ def test_local_refuses_bad_input_in_one_line(args, message):
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("freescale: error: "), proc.stderr
     assert message in lines[0]
-
-
-def test_sqrt_lr_scaling_follows_the_participants():
-    from types import SimpleNamespace
-
-    from freescale.config import TrainConfig
-    from freescale.ft.replica import ReplicaLayer
-    from freescale.model.sharding import build_dense_optimizer
-
-    optimizer = build_dense_optimizer(torch.nn.Linear(2, 2), TrainConfig(lr=0.01))
-    layer = ReplicaLayer.__new__(ReplicaLayer)  # the scaling alone: no manager server, no lighthouse
-    participants = SimpleNamespace(n=4)
-    layer.manager = SimpleNamespace(num_participants=lambda: participants.n)
-    layer.optimizer, layer.base_lrs = optimizer, [g["lr"] for g in optimizer.param_groups]
-    layer.cfg = load_config(FT_LOCAL, ["ft.num_replicas=4", "ft.lr_scaling=sqrt"]).ft
-    inner = optimizer.optimizers[0][1]
-    for n, scale in [(4, 1.0), (1, 0.5), (2, 0.5 ** 0.5), (4, 1.0)]:
-        participants.n = n
-        layer._scale_lr()
-        assert [g["lr"] for g in inner.param_groups] == [pytest.approx(0.01 * scale)]
 
 
 def test_faults_strike_from_wrappers_around_torchfts_parts(tmp_path):
@@ -308,24 +288,3 @@ def test_faults_strike_from_wrappers_around_torchfts_parts(tmp_path):
         held.errors.clear()
     in_step["groups"] = 2
     assert held.should_commit() is True and held.errors == []
-
-
-def test_a_step_with_fewer_groups_than_min_replicas_is_not_committed():
-    from types import SimpleNamespace
-
-    from freescale.ft.replica import ReplicaLayer
-    from freescale.ft.row_exchange import pack_header, read_header
-
-    layer = ReplicaLayer.__new__(ReplicaLayer)  # the check alone: no manager server, no lighthouse
-    errors = []
-    layer.manager = SimpleNamespace(report_error=errors.append, errored=lambda: errors[-1] if errors else None)
-    layer.cfg = load_config(FT_LOCAL, ["ft.num_replicas=3", "ft.min_replicas=2"]).ft
-    # Group 0 alone in the step: too few.
-    layer._header = read_header(pack_header(3, 0, cursor_after=4, count=1), 3)
-    layer._check_members()
-    assert len(errors) == 1 and "1 replica group(s) in the step, ft.min_replicas is 2" in str(errors[0])
-    # Group 0 and group 2 catching up (no batch): a group that catches up counts.
-    errors.clear()
-    layer._header = read_header(pack_header(3, 0, 4, 1) + pack_header(3, 2, None, 0), 3)
-    layer._check_members()
-    assert errors == []

@@ -1,0 +1,312 @@
+"""The hang watchdog: a replica group that stops answering is given up in seconds, not after
+the collective timeout.
+
+A group that crashes closes its sockets, and the survivors' cross-replica collective with it
+fails at once. A group that hangs (a stuck kernel, a frozen host, a swap storm, SIGSTOP) keeps
+them open and says nothing: the survivors would wait in the collective for ``ft.timeout_s``.
+A shorter timeout trades that stall for false alarms on slow steps; a heartbeat has no such
+trade: every group's torchft manager (rank 0 of the group) beats to the lighthouse every
+100 ms from a thread of torchft's own runtime, which beats through a slow step and stops only
+when the process stops.
+
+The protocol, one watchdog (a thread) per rank:
+
+1. Ten times per ``ft.hang_timeout_s`` it reads the lighthouse's status page (``GET /status``:
+   the id and members of the last quorum it formed, and how long ago it heard from each
+   group: ``parse_status``).
+2. ``verdict``: if that quorum is the one the rank's cross-replica process group was built for
+   and a member has not been heard from for ``ft.hang_timeout_s``, the member is hung; if the
+   lighthouse has formed a newer quorum without this group, the others went on without it.
+   Either way the watchdog *gives the quorum up*.
+3. A collective's wait on a quorum given up raises ``HungReplica``, which the replica layer
+   takes as any failed collective: it reports the error and aborts the process group
+   (``ReplicaLayer._allreduce``); the step is not committed and is trained again in the next
+   quorum, which the lighthouse forms without the hung group (its own heartbeat timeout,
+   500 ms, has passed by then). The collective itself stays behind in gloo's thread (gloo's
+   abort does not interrupt an operation in flight): it ends when the hung group wakes or at
+   its timeout, and writes only into the abandoned step's tensors.
+4. The vote fences a group that was itself stopped. torchft's vote asks the process group for
+   an error (``errored()``), and the watched group answers one while its quorum is given up,
+   or when the quorum is one it was in while the watchdog's own thread did not run for more
+   than half of ``ft.hang_timeout_s`` (the process was stopped: the others may have given its
+   step up, and its own collective may even complete as it wakes, the peers' abandoned halves
+   being still in flight). It gives up none of its collectives for that (the others may still
+   be waiting in one for its part), and a quorum built after it woke is not fenced. So a
+   group that wakes fails the step it was stopped in, joins the next quorum behind the others
+   and catches up from one of them. Voting against a step is always safe: when the peers did
+   commit it with this group's batch, the catch-up says so (``ReplicaLayer._trained_by_peers``).
+
+Every failed vote makes torchft's next quorum a new one (its id goes up), so a quorum given up
+is never built on again.
+
+Costs: one HTTP request to the lighthouse per rank every ``ft.hang_timeout_s / 10``; a false
+alarm (heartbeats late by ``ft.hang_timeout_s`` on an overloaded host, or a thread of the rank
+kept off the interpreter for half of it) costs one step trained again. Not covered: some ranks
+of a group hung while its rank 0 keeps beating, and a hang while the survivors build the
+quorum's process group or fetch a peer's state from the hung group (they wait for
+``ft.timeout_s``, as before).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from torch.distributed import Work
+from torchft.process_group import ProcessGroupWrapper
+
+log = logging.getLogger("freescale")
+
+POLLS_PER_TIMEOUT = 10  # status reads per ft.hang_timeout_s
+
+
+class HungReplica(RuntimeError):
+    """A cross-replica collective given up: a member of its quorum is hung, or this group was."""
+
+
+@dataclass(frozen=True)
+class LighthouseStatus:
+    """What the lighthouse's status page says: its last quorum and the age of every heartbeat."""
+
+    quorum_id: int | None
+    """The last quorum formed (None: none yet)."""
+    members: tuple[str, ...]
+    """Its members' replica ids (``replica<g>:<uuid>``)."""
+    heard: dict[str, float]
+    """Replica id -> seconds since its last heartbeat (every group the lighthouse ever heard)."""
+
+
+_QUORUM = re.compile(r"Previous quorum id:\s*(\d+)")
+_MEMBER = re.compile(r'<div class="member[^>]*>\s*<b>([^<]+)</b>')
+_HEARD = re.compile(r"([^\s<>]+): seen ([0-9.eE+-]+)s ago")
+
+
+def parse_status(page: str) -> LighthouseStatus:
+    """torchft's lighthouse status page (``templates/status.html``), read."""
+    quorum = _QUORUM.search(page)
+    return LighthouseStatus(quorum_id=int(quorum.group(1)) if quorum else None,
+                            members=tuple(m.strip() for m in _MEMBER.findall(page)),
+                            heard={r: float(age) for r, age in _HEARD.findall(page)})
+
+
+def read_status(lighthouse: str, timeout: float) -> LighthouseStatus:
+    with urllib.request.urlopen(lighthouse.rstrip("/") + "/status", timeout=timeout) as response:
+        return parse_status(response.read().decode())
+
+
+def group_of(replica_id: str) -> str:
+    """``replica2:<uuid>`` -> ``replica2`` (torchft appends a uuid per manager it starts)."""
+    return replica_id.split(":", 1)[0]
+
+
+def verdict(status: LighthouseStatus, quorum_id: int | None, group: str, hang_timeout_s: float) -> str:
+    """Why this rank's quorum ``quorum_id`` is to be given up ("": it is not). ``group``: this
+    group's name (``replica<g>``)."""
+    if quorum_id is None or status.quorum_id is None:
+        return ""
+    if status.quorum_id == quorum_id:
+        silent = [(m, status.heard[m]) for m in status.members if status.heard.get(m, 0.0) > hang_timeout_s]
+        if silent:
+            member, age = max(silent, key=lambda s: s[1])
+            return (f"replica group {group_of(member)} of quorum {quorum_id} sent no heartbeat for {age:.1f} s "
+                    f"(ft.hang_timeout_s {hang_timeout_s:g}): hung")
+    elif status.quorum_id > quorum_id and group not in {group_of(m) for m in status.members}:
+        return (f"the lighthouse formed quorum {status.quorum_id} without this group while it was in quorum "
+                f"{quorum_id}: the others went on without it")
+    return ""
+
+
+class Watchdog:
+    """One rank's watchdog (module docstring): ``watch`` wraps the cross-replica process group
+    and starts the thread; ``close`` stops it."""
+
+    def __init__(self, lighthouse: str, group: str, hang_timeout_s: float) -> None:
+        self.lighthouse = lighthouse
+        self.group = group
+        self.hang_timeout_s = hang_timeout_s
+        self.pg: WatchedProcessGroup | None = None
+        self._given_up: dict[int, str] = {}  # quorum id -> why
+        self._abandoned: list = []  # detached gloo groups (kept: see WatchedProcessGroup.abort)
+        self._changed = threading.Condition()  # a quorum given up, or a watched collective done
+        self._ran_at = time.monotonic()  # the thread's last turn
+        self._turn_quorum: int | None = None  # the process group's quorum then
+        self._stopped: dict[int, str] = {}  # quorums this process was stopped in -> why
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="freescale-watchdog", daemon=True)
+
+    def watch(self, pg) -> WatchedProcessGroup:
+        self.pg = WatchedProcessGroup(pg, self)
+        self._ran_at = time.monotonic()
+        self._thread.start()
+        return self.pg
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.hang_timeout_s / POLLS_PER_TIMEOUT):
+            try:
+                self._turn()
+            except Exception as e:  # the watchdog never takes the rank down; the next turn tries again
+                log.warning(f"hang watchdog: {str(e).splitlines()[0][:200]}")
+
+    def _turn(self) -> None:
+        now = time.monotonic()
+        with self._changed:
+            self._stopped.update(self._in_flight(now))
+            self._ran_at, self._turn_quorum = now, self.pg.quorum_id
+        try:
+            status = read_status(self.lighthouse, timeout=self.hang_timeout_s / 2)
+        except (OSError, ValueError):
+            return  # the lighthouse out of reach: the quorum says so
+        quorum_id = self.pg.quorum_id
+        cause = verdict(status, quorum_id, self.group, self.hang_timeout_s)
+        if cause:
+            self.give_up(quorum_id, cause)
+
+    def give_up(self, quorum_id: int | None, cause: str) -> None:
+        """Fail every wait on ``quorum_id``'s collectives, and its vote."""
+        if quorum_id is None:
+            return
+        with self._changed:
+            if quorum_id not in self._given_up:
+                self._given_up[quorum_id] = cause
+                log.warning(f"giving up quorum {quorum_id}'s collectives: {cause}")
+            self._changed.notify_all()
+
+    def _in_flight(self, now: float) -> dict[int, str]:
+        """The quorums this process was in while it did not run, if it did not run for more than
+        half of ``ft.hang_timeout_s`` up to ``now`` (the others may have given them up): the one
+        at the thread's last turn, and the current one unless it was built after the pause."""
+        stopped = now - self._ran_at
+        if stopped <= self.hang_timeout_s / 2:
+            return {}
+        why = f"this process did not run for {stopped:.1f} s (stopped?): the other groups may have given its step up"
+        quorums = {self._turn_quorum} if self._turn_quorum is not None else set()
+        if self.pg.configured_at < self._ran_at + 2 * self.hang_timeout_s / POLLS_PER_TIMEOUT:
+            quorums.add(self.pg.quorum_id)
+        return {q: why for q in quorums if q is not None}
+
+    def cause(self, quorum_id: int | None) -> str:
+        """Why a vote in ``quorum_id`` must fail ("": no reason the watchdog knows). A process that
+        was stopped fails its vote in a quorum it was in, but gives up none of its collectives:
+        the others may still wait in one for its part (they gave it up only after
+        ``ft.hang_timeout_s``), which it sends as it wakes."""
+        if quorum_id is None:
+            return ""
+        with self._changed:
+            stopped = {**self._stopped, **self._in_flight(time.monotonic())}
+            return self._given_up.get(quorum_id) or stopped.get(quorum_id, "")
+
+    def wait(self, work, quorum_id: int | None):
+        """``work.wait()``, unless ``quorum_id`` is given up first (``HungReplica``). The wait
+        itself runs on a thread of its own, never a callback on gloo's thread: gloo's group joins
+        its threads when torn down, holding the interpreter a callback would need."""
+        outcome: list = []
+
+        def waiter() -> None:
+            try:
+                outcome.append((True, work.wait()))
+            except Exception as e:
+                outcome.append((False, e))
+            self._notify()
+
+        threading.Thread(target=waiter, name="freescale-collective-wait", daemon=True).start()
+        with self._changed:
+            while not outcome:
+                if quorum_id in self._given_up:
+                    raise HungReplica(self._given_up[quorum_id])
+                self._changed.wait()
+        ok, value = outcome[0]
+        if not ok:
+            raise value
+        return value
+
+    def abandon(self, pg) -> None:
+        """Keep a detached gloo group for the life of the rank (one per hang: a gloo context)."""
+        self._abandoned.append(pg)
+
+    def _notify(self) -> None:
+        with self._changed:
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=self.hang_timeout_s)
+
+
+class NullWatchdog:
+    """``ft.hang_timeout_s: 0``: no watchdog, a hung group stalls the others for ``ft.timeout_s``."""
+
+    def watch(self, pg):
+        return pg
+
+    def close(self) -> None:
+        pass
+
+
+class _WatchedWork(Work):
+    def __init__(self, work, watchdog: Watchdog, quorum_id: int | None) -> None:
+        super().__init__()
+        self.work = work
+        self.watchdog = watchdog
+        self.quorum_id = quorum_id
+
+    def wait(self, timeout=None) -> bool:
+        return self.watchdog.wait(self.work, self.quorum_id)
+
+    def get_future(self):
+        return self.work.get_future()
+
+
+class WatchedProcessGroup(ProcessGroupWrapper):
+    """The cross-replica process group under the watchdog: its collectives' waits give up with
+    their quorum, and it reports the watchdog's cause as its error (which torchft's vote asks)."""
+
+    def __init__(self, pg, watchdog: Watchdog) -> None:
+        super().__init__(pg=pg)
+        self.watchdog = watchdog
+        self.configured_at = time.monotonic()
+
+    def configure(self, *args, **kwargs) -> None:
+        self.configured_at = time.monotonic()
+        super().configure(*args, **kwargs)
+
+    @property
+    def quorum_id(self) -> int | None:
+        """The quorum the group was last built for (torchft's ``configure`` passes it through here)."""
+        return self._quorum_id
+
+    def _wrap_work(self, work, opts):
+        return _WatchedWork(work, self.watchdog, self._quorum_id)
+
+    def errored(self):
+        cause = self.watchdog.cause(self._quorum_id)
+        return HungReplica(cause) if cause else self.parent.errored()
+
+    def abort(self, errored: bool = True) -> None:
+        if not self.watchdog.cause(self._quorum_id):
+            self.parent.abort()  # the wrapped group aborts; this wrapper keeps wrapping it
+            return
+        # Given up: the operation in flight waits for the hung group (until ft.timeout_s), and
+        # so does gloo's group if it is aborted or torn down (its destructor joins its threads,
+        # holding the interpreter). The group is detached (the next quorum's configure builds a
+        # new one without touching it) and kept, never torn down while the rank lives.
+        inner = self
+        while isinstance(inner._pg, ProcessGroupWrapper):
+            inner = inner._pg
+        detached, inner._pg = inner._pg, None
+        if detached is not None:
+            self.watchdog.abandon(detached)
+
+    def getBackendName(self) -> str:
+        return self.parent.getBackendName()
+
+
+def build_watchdog(ft, lighthouse: str):
+    """A ``Watchdog`` for this rank, or a ``NullWatchdog`` with ``ft.hang_timeout_s: 0``."""
+    if not ft.hang_timeout_s:
+        return NullWatchdog()
+    return Watchdog(lighthouse, f"replica{ft.replica_id}", ft.hang_timeout_s)

@@ -1,0 +1,186 @@
+"""The hang watchdog's parts in one process: the lighthouse's status page read from a real
+lighthouse, the verdict, a watched wait given up, the vote's fence; the stop plans of
+`freescale local`; the slow-group report on hand-made commit files; the slow fault."""
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+
+from freescale.config import ConfigError, load_config
+from freescale.faults import FaultInjector
+from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse
+from freescale.ft.watchdog import HungReplica, LighthouseStatus, Watchdog, read_status, verdict
+from freescale.local import DEFAULT_STOP_S, own_step_s, parse_stops, slow_groups
+from helpers.launch import REPO
+
+FT_LOCAL = REPO / "configs" / "ft_local.yaml"
+
+
+def test_the_status_page_of_a_real_lighthouse_reads_as_its_quorum_and_heartbeats():
+    from torchft.coordination import LighthouseClient
+
+    lighthouse = start_lighthouse(LighthouseOptions(bind="127.0.0.1:0", heartbeat_timeout_ms=500))
+    address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
+    try:
+        client = LighthouseClient(address, timedelta(seconds=5))
+        members = ["replica0:aaaa", "replica1:bbbb"]
+        for m in members:
+            client.heartbeat(m)  # both known before either asks, so the quorum waits for both
+        threads = [threading.Thread(target=lambda m=m: LighthouseClient(address, timedelta(seconds=5)).quorum(
+            m, timedelta(seconds=10), address="x", store_address="y", step=1, world_size=1, shrink_only=False))
+            for m in members]
+        [t.start() for t in threads]
+        [t.join() for t in threads]
+        time.sleep(0.3)
+        client.heartbeat("replica0:aaaa")
+        status = read_status(address, timeout=5)
+    finally:
+        lighthouse.shutdown()
+    assert status.quorum_id == 1
+    assert sorted(status.members) == members
+    assert status.heard["replica0:aaaa"] < 0.2 < status.heard["replica1:bbbb"] < 5
+
+
+def test_the_verdict_gives_up_a_quorum_with_a_silent_member_or_one_formed_without_this_group():
+    status = LighthouseStatus(quorum_id=4, members=("replica0:a", "replica1:b", "replica2:c"),
+                              heard={"replica0:a": 0.05, "replica1:b": 0.1, "replica2:c": 1.4, "replica2:old": 60.0})
+    assert "replica group replica2 of quorum 4 sent no heartbeat for 1.4 s" in verdict(status, 4, "replica0", 1.0)
+    assert verdict(status, 4, "replica0", 2.0) == ""  # not silent long enough
+    assert verdict(status, 3, "replica0", 1.0) == ""  # a newer quorum with this group: the next step's
+    assert verdict(status, None, "replica0", 1.0) == ""  # no quorum yet
+    newer = LighthouseStatus(quorum_id=5, members=("replica0:a", "replica1:b"), heard=status.heard)
+    assert "formed quorum 5 without this group" in verdict(newer, 4, "replica2", 1.0)
+    assert verdict(newer, 4, "replica1", 1.0) == ""
+
+
+class _Work:
+    """A collective in flight that ends when told."""
+
+    def __init__(self):
+        self.future = torch.futures.Future()
+
+    def get_future(self):
+        return self.future
+
+    def wait(self):
+        return self.future.wait()
+
+
+def _raised(call):
+    try:
+        return call()
+    except Exception as e:
+        return e
+
+
+def test_a_watched_wait_ends_with_the_collective_or_raises_once_its_quorum_is_given_up():
+    watchdog = Watchdog("http://127.0.0.1:9", "replica0", hang_timeout_s=1.0)  # (its thread never started)
+    done = _Work()
+    threading.Timer(0.05, lambda: done.future.set_result(7)).start()
+    assert watchdog.wait(done, quorum_id=3) == 7
+    hung, outcome = _Work(), []  # (the work never completes: the wait must give up)
+    waiter = threading.Thread(target=lambda: outcome.append(_raised(lambda: watchdog.wait(hung, quorum_id=3))),
+                              daemon=True)
+    waiter.start()
+    time.sleep(0.05)
+    watchdog.give_up(3, "replica group replica2 is hung")
+    waiter.join(timeout=10)
+    assert isinstance(outcome[0], HungReplica) and "replica2 is hung" in str(outcome[0]), outcome
+    with pytest.raises(HungReplica):
+        watchdog.wait(_Work(), quorum_id=3)  # a later collective of the same quorum
+    other = _Work()
+    other.future.set_result(1)
+    assert watchdog.wait(other, quorum_id=4) == 1  # the next quorum is not given up
+
+
+def test_the_vote_fails_in_a_quorum_given_up_or_one_the_process_was_stopped_in_and_no_other():
+    from torchft import ProcessGroupGloo
+
+    from freescale.ft.watchdog import WatchedProcessGroup
+
+    watchdog = Watchdog("http://127.0.0.1:9", "replica0", hang_timeout_s=1.0)  # (nothing listens there)
+    watchdog.pg = pg = WatchedProcessGroup(ProcessGroupGloo(), watchdog)
+    pg._quorum_id = watchdog._turn_quorum = 2
+    watchdog._ran_at = time.monotonic()
+    assert watchdog.cause(2) == ""
+    watchdog.give_up(2, "replica group replica1 is hung")
+    assert watchdog.cause(2) == "replica group replica1 is hung" and watchdog.cause(3) == ""
+    # Stopped in quorum 3 (the thread's last turn, 0.6 s ago, saw it): its vote fails, before the
+    # thread's next turn and after it; quorum 4, built once the process runs again, is not touched.
+    pg._quorum_id = watchdog._turn_quorum = 3
+    pg.configured_at = watchdog._ran_at = time.monotonic() - 0.6
+    assert "did not run for 0.6 s" in watchdog.cause(3)
+    pg._quorum_id, pg.configured_at = 4, time.monotonic()
+    assert watchdog.cause(4) == ""
+    watchdog._turn()
+    assert "did not run for 0.6 s" in watchdog.cause(3) and watchdog.cause(4) == ""
+
+
+def test_stop_plans_parse_and_bad_ones_name_the_item():
+    stops = parse_stops("2@100:5, 0@30", replicas=3, steps=1000)
+    assert [(s.replica, s.step, s.seconds) for s in stops] == [(0, 30, DEFAULT_STOP_S), (2, 100, 5.0)]
+    assert parse_stops("", replicas=2, steps=100) == []
+    for text, message in [("2-10", "expected REPLICA@STEP"), ("all@3", "expected REPLICA@STEP"),
+                          ("1@5:x", "expected REPLICA@STEP"), ("3@10", "replica 3 does not exist"),
+                          ("0@100", "expected a step in 1..99"), ("0@5:0", "expected seconds > 0")]:
+        with pytest.raises(ConfigError, match=message):
+            parse_stops(text, replicas=2, steps=100)
+
+
+def commits(step_s: float, blocked_s: float, steps: int = 20, start: float = 1000.0) -> list[dict]:
+    return [{"step": s, "next_batch": s, "trained": True, "time": start + s * step_s, "blocked_s": blocked_s}
+            for s in range(1, steps + 1)]
+
+
+def test_a_group_three_times_slower_is_named_with_its_factor_and_a_healthy_run_has_none():
+    # Lockstep, as the groups train: every group commits every 0.15 s; the fast ones wait 0.1 s
+    # of it for the slow one, which waits for nobody.
+    fast, slow = commits(0.15, 0.1), commits(0.15, 0.0)
+    fast[5]["blocked_s"] = 3.0  # one step waiting long (a quorum change) does not move the median
+    own = {0: own_step_s(fast), 1: own_step_s(fast), 2: own_step_s(slow)}
+    assert own[0] == pytest.approx(0.05) and own[2] == pytest.approx(0.15)
+    assert slow_groups(own, factor=1.5) == [{"replica": 2, "times_slower": 3.0, "own_step_s": 0.15,
+                                             "others_step_s": 0.05}]
+    healthy = {g: own_step_s(commits(0.05, 0.001 * g)) for g in range(3)}
+    assert slow_groups(healthy, factor=1.5) == []
+
+
+def test_own_time_counts_only_steps_trained_right_after_the_previous_commit():
+    steps = commits(0.1, 0.0, steps=4)
+    steps[2]["trained"] = False  # a catch-up
+    steps[3]["step"] = 9  # the group was away in between
+    assert own_step_s(steps) == pytest.approx(0.1)
+    assert own_step_s(steps[:1]) is None
+    assert slow_groups({0: None, 1: 0.1}, factor=1.5) == []
+
+
+def test_a_slow_fault_stalls_every_step_from_its_own_on(monkeypatch):
+    slept = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    injector = FaultInjector(at_step=3, kind="slow", rank=0, delay_s=0.2, marker="/nonexistent/never-written")
+    for step in range(1, 7):
+        injector.before_step(step)
+    assert slept == [0.2] * 4
+
+
+def test_hang_timeout_config_is_checked():
+    assert load_config(str(FT_LOCAL), ["ft.hang_timeout_s=0"]).ft.hang_timeout_s == 0
+    with pytest.raises(ConfigError, match="ft.hang_timeout_s: expected 0 .* or at least 0.2 s"):
+        load_config(str(FT_LOCAL), ["ft.hang_timeout_s=0.1"])
+
+
+def test_the_watched_group_reports_the_given_up_quorum_as_its_error_which_the_vote_asks():
+    from torchft import ProcessGroupGloo
+
+    from freescale.ft.watchdog import WatchedProcessGroup
+
+    watchdog = Watchdog("http://127.0.0.1:9", "replica0", hang_timeout_s=1.0)
+    pg = WatchedProcessGroup(ProcessGroupGloo(), watchdog)
+    pg._quorum_id = 6  # (what torchft's configure sets)
+    watchdog._ran_at = time.monotonic()
+    assert pg.errored() is None
+    watchdog.give_up(6, "replica group replica2 is hung")
+    assert isinstance(pg.errored(), HungReplica) and "replica2 is hung" in str(pg.errored())
