@@ -223,6 +223,11 @@ class Watchdog:
             raise value
         return value
 
+    def given_up(self, quorum_id: int | None) -> bool:
+        """Whether this rank gave ``quorum_id``'s collectives up (a peer hung)."""
+        with self._changed:
+            return quorum_id in self._given_up
+
     def abandon(self, pg) -> None:
         """Keep a detached gloo group for the life of the rank (one per hang: a gloo context)."""
         self._abandoned.append(pg)
@@ -287,8 +292,11 @@ class WatchedProcessGroup(ProcessGroupWrapper):
         return HungReplica(cause) if cause else self.parent.errored()
 
     def abort(self, errored: bool = True) -> None:
-        if not self.watchdog.cause(self._quorum_id):
-            self.parent.abort()  # the wrapped group aborts; this wrapper keeps wrapping it
+        if not self.watchdog.given_up(self._quorum_id):
+            # A collective failed on its own (or this process was stopped, which fails its vote
+            # but gives up none of its collectives): the wrapped group aborts, which releases a
+            # peer waiting in the same collective; this wrapper keeps wrapping it.
+            self.parent.abort()
             return
         # Given up: the operation in flight waits for the hung group (until ft.timeout_s), and
         # so does gloo's group if it is aborted or torn down (its destructor joins its threads,
