@@ -472,20 +472,20 @@ def test_the_survivors_of_a_hung_group_go_on_within_two_seconds_and_it_catches_u
     # lands there (the launcher sees step 20 committed within a poll) and not between two steps,
     # where the lighthouse alone drops a silent group from the next quorum. Holds order the rest
     # by events: every group holds at step 1 (all three are in step 20), and groups 0 and 1 hold
-    # at step 150 until group 2 is back, so it wakes to a live run however long it slept.
+    # at step 250 until group 2 is back, so it wakes to a live run however long it slept.
     run = tmp_path / "run"
     proc, summary = local(run, "--replicas", "3", "--nproc", "1", "--stop", "2@20:15",
                           "--faults=[{at_step: 1, during: vote, kind: hold},"
                           " {at_step: 21, during: allreduce, kind: delay, delay_s: 3, replicas: [2]},"
-                          " {at_step: 150, during: vote, kind: hold, replicas: [0, 1]}]",
-                          "--train.steps=170", "--checkpoint.at_end=true")
+                          " {at_step: 250, during: vote, kind: hold, replicas: [0, 1]}]",
+                          "--train.steps=270", "--checkpoint.at_end=true")
     check(proc)
     (failure,) = summary["groups"][2]["failures"]
     assert failure["cause"] == "stopped" and failure["restart_delay_s"] >= 15
     stopped, continued = failure["down_at"], failure["down_at"] + failure["restart_delay_s"]
     for g in (0, 1):
         times = [c["time"] for c in commits(run, g)]
-        held = next(c["time"] for c in commits(run, g) if c["step"] == 149)  # (from then on it holds)
+        held = next(c["time"] for c in commits(run, g) if c["step"] == 249)  # (from then on it holds)
         end = min(continued, held)
         assert end - stopped > 5, (stopped, end)  # the window holds the detection and steps after it
         window = [stopped] + [t for t in times if stopped < t <= end]
@@ -505,7 +505,7 @@ def test_the_survivors_of_a_hung_group_go_on_within_two_seconds_and_it_catches_u
     woke = [c for c in commits(run, 2) if c["time"] > continued]
     assert [c["trained"] for c in woke] == [False] + [True] * (len(woke) - 1), woke[:3]
     steps = [c["step"] for c in commits(run, 2)]
-    assert steps == sorted(set(steps)) and steps[-1] == 170
-    assert_exactly_once(run, summary, 170)
+    assert steps == sorted(set(steps)) and steps[-1] == 270
+    assert_exactly_once(run, summary, 270)
     assert summary["slow"] == []  # a hung group is not a slow one
     assert_groups_agree(run, 3, tmp_path, since=failure["rejoined_at"])
