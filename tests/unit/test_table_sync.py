@@ -205,6 +205,13 @@ def test_a_group_catching_up_after_its_own_batch_on_rows_the_peers_did_not_touch
     train(b, 0, [9], torch.randn(1, 4))
     train(late, 0, [2], torch.randn(1, 4))
     train(late, 1, [1], torch.randn(1, 4))
+    sync_catching_up(a, b, late)
+
+
+
+def sync_catching_up(a, b, late) -> None:
+    """A step of groups ``a`` and ``b`` in which ``late`` catches up from ``a``: it takes the
+    state ``a`` sends before the step (tables and the rest) at the vote; then all three agree."""
     sent, peers = a.state_dict(), group()
     copy_tables(peers, a)
 
@@ -214,7 +221,6 @@ def test_a_group_catching_up_after_its_own_batch_on_rows_the_peers_did_not_touch
 
     sync_all([a, b, late], step=10, present=[a, b], before_apply=catch_up)
     assert same(a, b) and same(a, late)
-
 
 def test_a_group_catching_up_after_its_own_batch_on_rows_the_peers_touched_adds_nothing():
     # As above, but the batch the group ran before it learnt it catches up wrote rows the peers
@@ -229,15 +235,7 @@ def test_a_group_catching_up_after_its_own_batch_on_rows_the_peers_touched_adds_
             sync_all([a, b], step=10)
             return a
         train(late, 0, [4, 9], torch.randn(2, 4))
-        sent, peers = a.state_dict(), group()
-        copy_tables(peers, a)
-
-        def catch_up():
-            copy_tables(late, peers)
-            late.load_state_dict(sent)
-
-        sync_all([a, b, late], step=10, present=[a, b], before_apply=catch_up)
-        assert same(a, b) and same(a, late)
+        sync_catching_up(a, b, late)
         return a
 
     assert same(run(with_late=True), run(with_late=False))
