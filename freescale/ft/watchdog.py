@@ -25,7 +25,13 @@ The protocol, one watchdog (a thread) per rank:
    500 ms, has passed by then). The collective itself stays behind in gloo's thread (gloo's
    abort does not interrupt an operation in flight): it ends when the hung group wakes or at
    its timeout, and writes only into the abandoned step's tensors.
-4. The vote fences a group that was itself stopped. torchft's vote asks the process group for
+4. A group whose own collective fails (a broken link, an error before it sent anything)
+   aborts its process group, and also says so in the quorum's store (``ABORTED_KEY``, under
+   the quorum's prefix): the watchdogs of the others poll that key as often as the lighthouse
+   and give the quorum up when it appears. Closing the group's sockets alone does not release
+   them: gloo wakes a peer's operation only where it waits on that very connection at that
+   moment, so a group that posts its part just as the others close waits for ``ft.timeout_s``.
+5. The vote fences a group that was itself stopped. torchft's vote asks the process group for
    an error (``errored()``), and the watched group answers one while its quorum is given up,
    or when the quorum is one it was in while the watchdog's own thread did not run for more
    than half of ``ft.hang_timeout_s`` (the process was stopped: the others may have given its
@@ -39,7 +45,8 @@ The protocol, one watchdog (a thread) per rank:
 Every failed vote makes torchft's next quorum a new one (its id goes up), so a quorum given up
 is never built on again.
 
-Costs: one HTTP request to the lighthouse per rank every ``ft.hang_timeout_s / 10``; a false
+Costs: one HTTP request to the lighthouse and one key check in the quorum's store per rank
+every ``ft.hang_timeout_s / 10``; a false
 alarm (heartbeats late by ``ft.hang_timeout_s`` on an overloaded host, or a thread of the rank
 kept off the interpreter for half of it) costs one step trained again. Not covered: some ranks
 of a group hung while its rank 0 keeps beating, and a hang while the survivors build the
@@ -55,13 +62,16 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass
+from datetime import timedelta
 
 from torch.distributed import Work
 from torchft.process_group import ProcessGroupWrapper
 
 log = logging.getLogger("freescale")
 
-POLLS_PER_TIMEOUT = 10  # status reads per ft.hang_timeout_s
+POLLS_PER_TIMEOUT = 10  # status reads (and abort-notice checks) per ft.hang_timeout_s
+ABORTED_KEY = "freescale/aborted"
+"""In a quorum's store (its prefix): the name of a group that aborted the quorum's collectives."""
 
 
 class HungReplica(RuntimeError):
@@ -124,10 +134,11 @@ class Watchdog:
     """One rank's watchdog (module docstring): ``watch`` wraps the cross-replica process group
     and starts the thread; ``close`` stops it."""
 
-    def __init__(self, lighthouse: str, group: str, hang_timeout_s: float) -> None:
+    def __init__(self, lighthouse: str, group: str, hang_timeout_s: float, store_timeout_s: float = 10.0) -> None:
         self.lighthouse = lighthouse
         self.group = group
         self.hang_timeout_s = hang_timeout_s
+        self.store_timeout_s = store_timeout_s
         self.pg: WatchedProcessGroup | None = None
         self._given_up: dict[int, str] = {}  # quorum id -> why
         self._abandoned: list = []  # detached gloo groups (kept: see WatchedProcessGroup.abort)
@@ -137,11 +148,18 @@ class Watchdog:
         self._stopped: dict[int, str] = {}  # quorums this process was stopped in -> why
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="freescale-watchdog", daemon=True)
+        # The abort notices (module docstring, 4), on a thread of their own: a store that does
+        # not answer (its host hung) delays them, never the lighthouse's verdicts.
+        self._aborted: list[tuple[int, str]] = []  # (quorum id, its store) this group aborted, to be told
+        self._store: tuple[str, object] | None = None  # (address, client) of the last store read
+        self._wake = threading.Event()
+        self._notices = threading.Thread(target=self._run_notices, name="freescale-watchdog-notices", daemon=True)
 
     def watch(self, pg) -> WatchedProcessGroup:
         self.pg = WatchedProcessGroup(pg, self)
         self._ran_at = time.monotonic()
         self._thread.start()
+        self._notices.start()
         return self.pg
 
     def _run(self) -> None:
@@ -164,6 +182,48 @@ class Watchdog:
         cause = verdict(status, quorum_id, self.group, self.hang_timeout_s)
         if cause:
             self.give_up(quorum_id, cause)
+
+    def announce_abort(self, quorum_id: int | None, store_addr: str | None) -> None:
+        """Tell the quorum's other groups that this one aborted its collectives (module
+        docstring, 4): the notices thread writes it, so the caller never waits on the store."""
+        if quorum_id is None or store_addr is None:
+            return
+        with self._changed:
+            self._aborted.append((quorum_id, store_addr))
+        self._wake.set()
+
+    def _run_notices(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.hang_timeout_s / POLLS_PER_TIMEOUT)
+            self._wake.clear()
+            try:
+                self._notice_turn()
+            except Exception as e:  # the store out of reach (its group died): the lighthouse says so
+                self._store = None
+                log.debug(f"hang watchdog: abort notices: {str(e).splitlines()[0][:200]}")
+
+    def _notice_turn(self) -> None:
+        with self._changed:
+            aborted, self._aborted = self._aborted, []
+        for quorum_id, store_addr in aborted:
+            self._client(store_addr).set(ABORTED_KEY, self.group)
+        quorum_id, store_addr = self.pg.store
+        if quorum_id is None or store_addr is None or self.given_up(quorum_id):
+            return
+        store = self._client(store_addr)
+        if store.check([ABORTED_KEY]):
+            who = store.get(ABORTED_KEY).decode()
+            if who != self.group:  # (this group's own notice: it failed the step already)
+                self.give_up(quorum_id, f"replica group {who} aborted quorum {quorum_id}'s collectives")
+
+    def _client(self, store_addr: str):
+        """A client of the store at ``store_addr`` (``host:port/prefix``), kept while it is the
+        one read."""
+        if self._store is None or self._store[0] != store_addr:
+            from torchft.process_group import create_store_client
+
+            self._store = (store_addr, create_store_client(store_addr, timedelta(seconds=self.store_timeout_s)))
+        return self._store[1]
 
     def give_up(self, quorum_id: int | None, cause: str) -> None:
         """Fail every wait on ``quorum_id``'s collectives, and its vote."""
@@ -238,8 +298,10 @@ class Watchdog:
 
     def close(self) -> None:
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=self.hang_timeout_s)
+        self._wake.set()
+        for thread in (self._thread, self._notices):
+            if thread.is_alive():
+                thread.join(timeout=self.hang_timeout_s)
 
 
 class NullWatchdog:
@@ -274,10 +336,14 @@ class WatchedProcessGroup(ProcessGroupWrapper):
         super().__init__(pg=pg)
         self.watchdog = watchdog
         self.configured_at = time.monotonic()
+        self.store: tuple[int | None, str | None] = (None, None)
+        """(quorum id, the quorum's store address) the group was last built for, set at once."""
 
-    def configure(self, *args, **kwargs) -> None:
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, quorum_id: int | None = None,
+                  *args, **kwargs) -> None:
         self.configured_at = time.monotonic()
-        super().configure(*args, **kwargs)
+        super().configure(store_addr, replica_id, rank, world_size, quorum_id, *args, **kwargs)
+        self.store = (quorum_id, store_addr)
 
     @property
     def quorum_id(self) -> int | None:
@@ -294,8 +360,9 @@ class WatchedProcessGroup(ProcessGroupWrapper):
     def abort(self, errored: bool = True) -> None:
         if not self.watchdog.given_up(self._quorum_id):
             # A collective failed on its own (or this process was stopped, which fails its vote
-            # but gives up none of its collectives): the wrapped group aborts, which releases a
-            # peer waiting in the same collective; this wrapper keeps wrapping it.
+            # but gives up none of its collectives): the others are told, and the wrapped group
+            # aborts, which releases a peer waiting on its sockets; this wrapper keeps wrapping it.
+            self.watchdog.announce_abort(*self.store)
             self.parent.abort()
             return
         # Given up: the operation in flight waits for the hung group (until ft.timeout_s), and
@@ -317,4 +384,4 @@ def build_watchdog(ft, lighthouse: str):
     """A ``Watchdog`` for this rank, or a ``NullWatchdog`` with ``ft.hang_timeout_s: 0``."""
     if not ft.hang_timeout_s:
         return NullWatchdog()
-    return Watchdog(lighthouse, f"replica{ft.replica_id}", ft.hang_timeout_s)
+    return Watchdog(lighthouse, f"replica{ft.replica_id}", ft.hang_timeout_s, store_timeout_s=ft.timeout_s)

@@ -130,12 +130,18 @@ def logs(run: Path, replica: int) -> str:
     return "".join(p.read_text() for p in sorted((run / f"replica{replica}" / "logs").iterdir()))
 
 
+def failure_lines(run: Path, groups: list[int]) -> str:
+    return "\n".join(line[:300] for g in groups for line in logs(run, g).splitlines()
+                     if re.search(r"collective failed|giving up|not committed", line))
+
+
 def assert_commit_soon_after(run: Path, groups: list[int], failed_at: float, within_s: float = 2.0) -> None:
     """Every group in ``groups`` committed a step within ``within_s`` of a failure, and once
     each step (the failed one included)."""
     for g in groups:
         after = [c["time"] - failed_at for c in commits(run, g) if c["time"] > failed_at]
-        assert after and after[0] <= within_s, f"replica {g}: first commit {after[:1]} s after the failure"
+        assert after and after[0] <= within_s, (f"replica {g}: first commit {after[:1]} s after the failure; "
+                                                f"what the groups logged of it:\n{failure_lines(run, groups)}")
         steps = [c["step"] for c in commits(run, g)]
         assert steps == sorted(set(steps)) and 150 in steps
 

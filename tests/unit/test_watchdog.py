@@ -184,3 +184,41 @@ def test_the_watched_group_reports_the_given_up_quorum_as_its_error_which_the_vo
     assert pg.errored() is None
     watchdog.give_up(6, "replica group replica2 is hung")
     assert isinstance(pg.errored(), HungReplica) and "replica2 is hung" in str(pg.errored())
+
+
+def test_a_group_that_aborts_its_collectives_tells_the_others_through_the_quorums_store():
+    # Two groups' watchdogs over one real TCPStore, as torchft's quorum gives them: group 1's
+    # collective fails on its own and it aborts; group 0, in a collective of the same quorum that
+    # would never end (gloo wakes it only if it waits on the closed sockets at that moment), gives
+    # the quorum up at the notice. The notice stays in its quorum: the next one is not given up.
+    from torch.distributed import TCPStore
+    from torchft import ProcessGroupGloo
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    quorum_store = f"127.0.0.1:{server.port}/torchft/5/0"
+    watchdogs = [Watchdog("http://127.0.0.1:9", f"replica{g}", hang_timeout_s=1.0) for g in range(2)]
+    for w in watchdogs:
+        w.watch(ProcessGroupGloo())  # (the group itself is never built: only its quorum and store are set)
+        w.pg._quorum_id, w.pg.store = 5, (5, quorum_store)
+    try:
+        hung, outcome = _Work(), []
+        waiter = threading.Thread(target=lambda: outcome.append(_raised(lambda: watchdogs[0].wait(hung, quorum_id=5))),
+                                  daemon=True)
+        waiter.start()
+        time.sleep(0.3)
+        assert not outcome and not watchdogs[0].given_up(5)
+        watchdogs[1].pg.abort()
+        waiter.join(timeout=5)
+        assert outcome and isinstance(outcome[0], HungReplica), outcome
+        assert "replica group replica1 aborted quorum 5's collectives" in str(outcome[0])
+        assert "replica1 aborted" in str(watchdogs[0].pg.errored())  # (the vote fails too)
+        time.sleep(0.3)
+        assert not watchdogs[1].given_up(5)  # its own notice: it failed the step already, and its
+        # abort tore its group down (a group given up is detached instead)
+        for w in watchdogs:
+            w.pg._quorum_id, w.pg.store = 6, (6, f"127.0.0.1:{server.port}/torchft/6/0")
+        time.sleep(0.3)
+        assert not watchdogs[0].given_up(6)
+    finally:
+        for w in watchdogs:
+            w.close()
