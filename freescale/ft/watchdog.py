@@ -174,10 +174,21 @@ class Watchdog:
         with self._changed:
             self._stopped.update(self._in_flight(now))
             self._ran_at, self._turn_quorum = now, self.pg.quorum_id
+        timeout = self.hang_timeout_s / 2
         try:
-            status = read_status(self.lighthouse, timeout=self.hang_timeout_s / 2)
+            status = read_status(self.lighthouse, timeout=timeout)
         except (OSError, ValueError):
-            return  # the lighthouse out of reach: the quorum says so
+            status = None  # the lighthouse out of reach: the quorum says so
+        finally:
+            # A read that ended within its timeout (and a turn's pause) kept the thread running
+            # all along: a slow lighthouse is no sign of this process stopped. One that took
+            # longer was stopped in the middle, and the next turn sees the gap.
+            ended = time.monotonic()
+            if ended - now <= timeout + self.hang_timeout_s / POLLS_PER_TIMEOUT:
+                with self._changed:
+                    self._ran_at = ended
+        if status is None:
+            return
         quorum_id = self.pg.quorum_id
         cause = verdict(status, quorum_id, self.group, self.hang_timeout_s)
         if cause:

@@ -222,3 +222,36 @@ def test_a_group_that_aborts_its_collectives_tells_the_others_through_the_quorum
     finally:
         for w in watchdogs:
             w.close()
+
+
+def test_a_slow_status_page_does_not_read_as_this_process_stopped():
+    # The lighthouse answers each status read after 0.45 s (a busy host): the watchdog's thread
+    # waits for it, then pauses between turns; it never stopped, so no vote may fail for that.
+    import http.server
+
+    class Slow(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            time.sleep(0.45)
+            try:
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(b"Previous quorum id: 3 <br>")
+            except OSError:  # (the reader gave up first)
+                pass
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Slow)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    from torchft import ProcessGroupGloo
+
+    watchdog = Watchdog(f"http://127.0.0.1:{server.server_address[1]}", "replica0", hang_timeout_s=1.0)
+    watchdog.watch(ProcessGroupGloo())
+    watchdog.pg._quorum_id = 3
+    try:
+        time.sleep(2.0)
+        assert watchdog.cause(3) == ""
+    finally:
+        watchdog.close()
+        server.shutdown()
