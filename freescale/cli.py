@@ -8,7 +8,7 @@
     freescale config [--config PATH] [--section.key=value ...]   print the resolved config
     freescale lighthouse [--bind HOST:PORT] [--min-replicas N]    torchft's lighthouse for replica groups
                          [--until-done RUN_DIR --replicas R]     ... until the run's R groups finish
-    freescale local --config PATH --replicas R --nproc N [--kill R@S,...] [--stop R@S[:SECONDS],...] [--restart-delay S]
+    freescale local --config PATH --replicas R --nproc N [--kill R@S,...] [--stop R@S[+AFTER][:SECONDS],...] [--restart-delay S]
                                                                  R replica groups on this host, with kills
     freescale prepare --input PATH... --format F --out DIR [...]  an interaction log as Parquet sample files
     freescale prepare --synthetic N --out DIR [--synthetic.key=value ...]   the synthetic stream, as files
@@ -90,8 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     loc.add_argument("--nproc", type=int, required=True, help="ranks per replica group")
     loc.add_argument("--kill", default="", help="REPLICA@STEP,...: SIGKILL the group once it has trained STEP batches "
                      "of its shard; all@STEP: every group at once, when the first has")
-    loc.add_argument("--stop", default="", help="REPLICA@STEP[:SECONDS],...: SIGSTOP every process of the group once it "
-                     "has trained STEP batches of its shard (a hang), SIGCONT after SECONDS (default 15)")
+    loc.add_argument("--stop", default="", help="REPLICA@STEP[+AFTER][:SECONDS],...: SIGSTOP every process of the group "
+                     "once it has trained STEP batches of its shard (AFTER seconds later: inside its next step), a hang; "
+                     "SIGCONT after SECONDS (default 15)")
     loc.add_argument("--restart-delay", type=float, default=1.0, help="seconds before a killed group restarts (default 1)")
     loc.add_argument("--resume", action="store_true",
                      help="a restarted group resumes from its own last checkpoint instead of catching up from a live "

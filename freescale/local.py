@@ -10,10 +10,10 @@ data; a group that joins late catches up first, so the kill always lands on real
 ``--max-restarts`` times; never one that exits with a usage error). A restarted group catches
 up from a live peer, or, when no group is left alive, resumes from the job's newest checkpoint
 (the trainer decides: ``ReplicaLayer.join``); with ``--resume`` it resumes from its own last
-checkpoint instead. ``--stop R@S[:SECONDS]`` hangs a group instead: every process of group R is
-SIGSTOPped once it has trained S batches of its shard (its sockets stay open, as a frozen
-host's do) and SIGCONTed SECONDS later (15 by default); it then finds its step failed and
-catches up. A group is not restarted once every other group has finished the run:
+checkpoint instead. ``--stop R@S[+AFTER][:SECONDS]`` hangs a group instead: every process of
+group R is SIGSTOPped once it has trained S batches of its shard (AFTER seconds later: inside
+its next step rather than between two) (its sockets stay open, as a frozen host's do) and
+SIGCONTed SECONDS later (15 by default); it then finds its step failed and catches up. A group is not restarted once every other group has finished the run:
 there is no live run left to rejoin. The launcher prints a progress line per group, waits for
 the end and writes ``<run>/local_summary.json``:
 
@@ -86,27 +86,32 @@ class Stop:
     replica: int
     step: int
     seconds: float
+    after: float = 0.0  # seconds from the group's S-th batch to the stop
 
 
 def parse_stops(text: str, replicas: int, steps: int) -> list[Stop]:
-    """``"2@100:15,0@300"`` -> stops (group, batches of its shard trained, seconds stopped;
-    ``DEFAULT_STOP_S`` when left out); one-line errors name the bad item."""
+    """``"2@100:15,0@300,1@50+0.5"`` -> stops (group, batches of its shard trained, seconds
+    stopped, ``DEFAULT_STOP_S`` when left out; seconds after the batch, 0 when left out);
+    one-line errors name the bad item."""
     stops = []
     for item in filter(None, (t.strip() for t in (text or "").split(","))):
         replica, at, rest = item.partition("@")
-        step, colon, seconds = rest.partition(":")
+        when, colon, seconds = rest.partition(":")
+        step, plus, after = when.partition("+")
         try:
-            stop = Stop(int(replica), int(step), float(seconds) if colon else DEFAULT_STOP_S)
+            stop = Stop(int(replica), int(step), float(seconds) if colon else DEFAULT_STOP_S, float(after) if plus else 0.0)
         except ValueError:
             stop = None
         if not at or stop is None or not replica.isdigit() or not step.isdigit():
-            raise ConfigError(f"--stop: expected REPLICA@STEP or REPLICA@STEP:SECONDS items (e.g. 2@100:15), got {item!r}")
+            raise ConfigError(f"--stop: expected REPLICA@STEP[+AFTER][:SECONDS] items (e.g. 2@100:15), got {item!r}")
         if stop.replica >= replicas:
             raise ConfigError(f"--stop {item}: replica {stop.replica} does not exist (--replicas {replicas})")
         if not 1 <= stop.step < steps:
             raise ConfigError(f"--stop {item}: expected a step in 1..{steps - 1} (train.steps is {steps})")
         if not 0 < stop.seconds < float("inf"):
             raise ConfigError(f"--stop {item}: expected seconds > 0, got {seconds}")
+        if not 0 <= stop.after < float("inf"):
+            raise ConfigError(f"--stop {item}: expected +AFTER seconds >= 0, got {after}")
         stops.append(stop)
     return sorted(stops, key=lambda s: (s.replica, s.step))
 
@@ -132,6 +137,7 @@ class Group:
     kills: list[int] = field(default_factory=list)  # batches of its shard it is to be killed after, in order
     stops: list[Stop] = field(default_factory=list)  # its stops, in order
     stopped: list[int] | None = None  # the processes it stopped (SIGSTOP), until they continue
+    stop_due: float | None = None  # when its next stop strikes, once it trained the stop's batches
     continue_at: float | None = None
     failures: list[Failure] = field(default_factory=list)
     restart_at: float | None = None
@@ -304,11 +310,14 @@ def _watch(groups: list[Group], kill_all: list[int], cfg: ExperimentConfig, rest
                 g.failures[-1].restarted_at = time.time()
                 tell(f"[local] replica {g.replica} continued (SIGCONT)")
             elif g.proc is not None and g.stopped is None and g.stops and g.cursor()["next_batch"] >= g.stops[0].step:
-                stop = g.stops.pop(0)
-                g.stop(stop.seconds)
-                g.failures.append(Failure(step=g.step(), killed_at=time.time(), cause="stopped"))
-                tell(f"[local] replica {g.replica} stopped (SIGSTOP) after {stop.step} batches of its shard, at "
-                     f"committed step {g.step()}; continues in {stop.seconds:g} s")
+                if g.stop_due is None:
+                    g.stop_due = now + g.stops[0].after
+                if now >= g.stop_due:
+                    stop, g.stop_due = g.stops.pop(0), None
+                    g.stop(stop.seconds)
+                    g.failures.append(Failure(step=g.step(), killed_at=time.time(), cause="stopped"))
+                    tell(f"[local] replica {g.replica} stopped (SIGSTOP) {f'{stop.after:g} s ' if stop.after else ''}after "
+                         f"{stop.step} batches of its shard, at committed step {g.step()}; continues in {stop.seconds:g} s")
             if g.proc is not None and g.kills and g.cursor()["next_batch"] >= g.kills[0]:
                 trained = g.kills.pop(0)
                 _kill(g, restart_delay)

@@ -120,11 +120,13 @@ def test_the_vote_fails_in_a_quorum_given_up_or_one_the_process_was_stopped_in_a
 
 
 def test_stop_plans_parse_and_bad_ones_name_the_item():
-    stops = parse_stops("2@100:5, 0@30", replicas=3, steps=1000)
-    assert [(s.replica, s.step, s.seconds) for s in stops] == [(0, 30, DEFAULT_STOP_S), (2, 100, 5.0)]
+    stops = parse_stops("2@100:5, 0@30, 1@50+0.5", replicas=3, steps=1000)
+    assert [(s.replica, s.step, s.seconds, s.after) for s in stops] == [(0, 30, DEFAULT_STOP_S, 0.0),
+                                                                        (1, 50, DEFAULT_STOP_S, 0.5), (2, 100, 5.0, 0.0)]
     assert parse_stops("", replicas=2, steps=100) == []
     for text, message in [("2-10", "expected REPLICA@STEP"), ("all@3", "expected REPLICA@STEP"),
-                          ("1@5:x", "expected REPLICA@STEP"), ("3@10", "replica 3 does not exist"),
+                          ("1@5:x", "expected REPLICA@STEP"), ("1@5+x:3", "expected REPLICA@STEP"),
+                          ("1@5+-1", r"expected \+AFTER seconds >= 0"), ("3@10", "replica 3 does not exist"),
                           ("0@100", "expected a step in 1..99"), ("0@5:0", "expected seconds > 0")]:
         with pytest.raises(ConfigError, match=message):
             parse_stops(text, replicas=2, steps=100)
