@@ -23,8 +23,6 @@ pytestmark = pytest.mark.slow
 
 FT_LOCAL = str(REPO / "configs" / "ft_local.yaml")
 BATCH_SIZE = 16  # configs/ft_local.yaml's data.batch_size, which no test here changes
-# Long enough that a group restarted on this 2-core machine (10-20 s to start) rejoins before the end.
-LONG = ["--train.steps=600", "--checkpoint.at_end=true"]
 # A checkpoint every 7 steps: none of them is a step the TorchRec tables' sync falls on by its
 # own schedule (every 10), and every group keeps them all to be compared.
 EVERY_7 = ["--checkpoint.every=7", "--checkpoint.keep=1000", "--ft.embedding_sync_every=10"]
@@ -135,15 +133,15 @@ def failure_lines(run: Path, groups: list[int]) -> str:
                      if re.search(r"collective failed|giving up|not committed", line))
 
 
-def assert_commit_soon_after(run: Path, groups: list[int], failed_at: float, within_s: float = 2.0) -> None:
+def assert_commit_soon_after(run: Path, groups: list[int], failed_at: float, step: int, within_s: float = 2.0) -> None:
     """Every group in ``groups`` committed a step within ``within_s`` of a failure, and once
-    each step (the failed one included)."""
+    each step (``step``, the failed one, included)."""
     for g in groups:
         after = [c["time"] - failed_at for c in commits(run, g) if c["time"] > failed_at]
         assert after and after[0] <= within_s, (f"replica {g}: first commit {after[:1]} s after the failure; "
                                                 f"what the groups logged of it:\n{failure_lines(run, groups)}")
         steps = [c["step"] for c in commits(run, g)]
-        assert steps == sorted(set(steps)) and 150 in steps
+        assert steps == sorted(set(steps)) and step in steps
 
 
 def assert_kept_committing(run: Path, summary: dict, down: int) -> None:
@@ -166,14 +164,14 @@ def test_a_killed_group_of_two_ranks_catches_up_group_atomically_and_finishes(tm
     # sync: FreeScale's own row-wise tables. Group 1's first catch-up fails on its rank 0 while
     # its rank 1 fetches and holds the peer's state: the group must drop it on both ranks and
     # catch up again, never half.
-    # Group 0 holds at step 100 until group 1 is back in the step (a hold: it votes against the
+    # Group 0 holds at step 60 until group 1 is back in the step (a hold: it votes against the
     # step until every group is in it), so the restart (10 s and more on a busy machine) finds a
     # live group to catch up from, however fast group 0 trains its remaining steps alone.
     run = tmp_path / "run"
     proc, summary = local(run, "--replicas", "2", "--nproc", "2", "--kill", "1@10", f"--train.pipeline={pipeline}",
                           "--fault.at_step=1", "--fault.during=recover", "--fault.kind=raise", "--fault.ranks=[0]",
-                          "--fault.replicas=[1]", "--faults=[{at_step: 100, during: vote, kind: hold, replicas: [0]}]",
-                          *extra, *EVERY_7, *LONG)
+                          "--fault.replicas=[1]", "--faults=[{at_step: 60, during: vote, kind: hold, replicas: [0]}]",
+                          *extra, *EVERY_7, "--train.steps=160", "--checkpoint.at_end=true")
     check(proc)
     failures = summary["groups"][1]["failures"]
     assert [f["cause"] for f in failures] == ["killed"]
@@ -190,7 +188,7 @@ def test_a_killed_group_of_two_ranks_catches_up_group_atomically_and_finishes(tm
                      r"disagree", group1), group1[-3000:]
     assert len(re.findall(r"\[r1/1\] caught up with a peer", group1)) == len(re.findall(r"\[r1/0\] caught up", group1))
     assert_kept_committing(run, summary, down=1)
-    assert_exactly_once(run, summary, 600)
+    assert_exactly_once(run, summary, 160)
     # From the first checkpoint after group 1 came back on: the two groups' states, tables
     # included, at steps that are no sync step of TorchRec's tables but checkpoint steps.
     assert assert_groups_agree(run, 2, tmp_path, since=failures[0]["rejoined_at"]) >= 10
@@ -200,43 +198,43 @@ def test_survivors_go_on_at_once_when_a_group_dies_inside_the_allreduce(tmp_path
     # Three groups of one rank: group 2 exits inside a cross-replica all-reduce of step 150 and
     # is restarted 5 s later. The two others must not wait for it: they form a quorum of two
     # as soon as the lighthouse stops hearing from it. Holds order the rest by events: every
-    # group holds at step 1 (all three are in step 150), and groups 0 and 1 hold at step 400
+    # group holds at step 1 (all three are in step 150), and groups 0 and 1 hold at step 200
     # until group 2 is back, however long its restart takes on a busy machine.
     run = tmp_path / "run"
     proc, summary = local(run, "--replicas", "3", "--nproc", "1", "--restart-delay", "5", "--fault.at_step=150",
                           "--fault.during=allreduce", "--fault.kind=exit", "--fault.replicas=[2]",
                           "--faults=[{at_step: 1, during: vote, kind: hold},"
-                          " {at_step: 400, during: vote, kind: hold, replicas: [0, 1]}]",
-                          "--train.steps=1000", "--checkpoint.at_end=true")
+                          " {at_step: 200, during: vote, kind: hold, replicas: [0, 1]}]",
+                          "--train.steps=260", "--checkpoint.at_end=true")
     check(proc)
     assert "rank 0 exits at step 150 during allreduce" in (run / "replica2.console.log").read_text()
     (failure,) = summary["groups"][2]["failures"]
-    assert_commit_soon_after(run, [0, 1], failure["down_at"])
+    assert_commit_soon_after(run, [0, 1], failure["down_at"], step=150)
     assert_kept_committing(run, summary, down=2)
-    assert_exactly_once(run, summary, 1000)
+    assert_exactly_once(run, summary, 260)
     assert_groups_agree(run, 3, tmp_path)
 
 
 def test_a_group_whose_allreduce_fails_releases_the_others_at_once(tmp_path):
-    # Three groups of one rank: group 1's part of the first cross-replica all-reduce of step 150
+    # Three groups of one rank: group 1's part of the first cross-replica all-reduce of step 50
     # fails (it raises before sending anything, as a failing link would), and it goes on living.
     # The others are already in that all-reduce, waiting for its data: group 1 aborts the
     # collective, which fails their side at once, instead of leaving them blocked until the
-    # collective's timeout (10 s); every group trains step 150 again and commits it.
+    # collective's timeout (10 s); every group trains step 50 again and commits it.
     run = tmp_path / "run"
-    proc, summary = local(run, "--replicas", "3", "--nproc", "1", "--fault.at_step=150", "--fault.during=allreduce",
-                          "--fault.kind=raise", "--fault.replicas=[1]", "--ft.min_replicas=3", "--train.steps=300",
+    proc, summary = local(run, "--replicas", "3", "--nproc", "1", "--fault.at_step=50", "--fault.during=allreduce",
+                          "--fault.kind=raise", "--fault.replicas=[1]", "--ft.min_replicas=3", "--train.steps=100",
                           "--checkpoint.at_end=true")
     check(proc)
-    (stamp,) = re.findall(r"^(\S+ \S+) \[r1/0\] a cross-replica collective failed \(injected fault at step 150",
+    (stamp,) = re.findall(r"^(\S+ \S+) \[r1/0\] a cross-replica collective failed \(injected fault at step 50",
                           logs(run, 1), re.M)
     failed_at = datetime.datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp()
-    assert_commit_soon_after(run, [0, 1, 2], failed_at)
+    assert_commit_soon_after(run, [0, 1, 2], failed_at, step=50)
     for g in range(3):
-        assert "step 150 not committed" in logs(run, g)
+        assert "step 50 not committed" in logs(run, g)
         steps = [c["step"] for c in commits(run, g)]
-        assert steps == list(range(1, 301)), g  # (min_replicas 3: the three start together)
-    assert_exactly_once(run, summary, 300)
+        assert steps == list(range(1, 101)), g  # (min_replicas 3: the three start together)
+    assert_exactly_once(run, summary, 100)
     assert_groups_agree(run, 3, tmp_path)
 
 
@@ -244,54 +242,54 @@ def test_a_group_whose_allreduce_fails_releases_the_others_at_once(tmp_path):
 @pytest.mark.parametrize("pipeline", ["sparse_dist", "prioritized"])
 def test_a_group_killed_inside_the_cross_replica_allreduce(tmp_path, pipeline):
     run = tmp_path / "run"
-    # Group 1 exits inside the all-reduce of step 150 and is restarted at once; group 0 trains on
+    # Group 1 exits inside the all-reduce of step 60 and is restarted at once; group 0 trains on
     # alone. The order of events is held by holds (a group votes against its step until every
     # group is in it), not by guesses of how long things take: both groups hold at step 1, so
-    # group 1 trains step 150 itself rather than catching up past it when it starts late; group 0
-    # holds at step 300, so group 1's restart (a process start and imports: 10 s and more on a
-    # busy machine, longer than the 450 steps group 0 has left) finds a live group to catch up
+    # group 1 trains step 60 itself rather than catching up past it when it starts late; group 0
+    # holds at step 120, so group 1's restart (a process start and imports: 10 s and more on a
+    # busy machine, longer than the steps group 0 has left) finds a live group to catch up
     # from instead of a finished run.
-    proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--restart-delay", "0", "--fault.at_step=150",
+    proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--restart-delay", "0", "--fault.at_step=60",
                           "--fault.during=allreduce", "--fault.kind=exit", "--fault.replicas=[1]",
                           "--faults=[{at_step: 1, during: vote, kind: hold},"
-                          " {at_step: 300, during: vote, kind: hold, replicas: [0]}]",
-                          f"--train.pipeline={pipeline}", *LONG)
+                          " {at_step: 120, during: vote, kind: hold, replicas: [0]}]",
+                          f"--train.pipeline={pipeline}", "--train.steps=180", "--checkpoint.at_end=true")
     check(proc)
-    assert "rank 0 exits at step 150 during allreduce" in (run / "replica1.console.log").read_text()
-    # Group 0 was waiting in the same all-reduce: its step 150 fails, is rolled back and trained again.
-    assert "step 150 not committed" in logs(run, 0)
+    assert "rank 0 exits at step 60 during allreduce" in (run / "replica1.console.log").read_text()
+    # Group 0 was waiting in the same all-reduce: its step 60 fails, is rolled back and trained again.
+    assert "step 60 not committed" in logs(run, 0)
     steps = [c["step"] for c in commits(run, 0)]
-    assert steps == sorted(set(steps)) and 150 in steps
+    assert steps == sorted(set(steps)) and 60 in steps
     assert_kept_committing(run, summary, down=1)
     (failure,) = summary["groups"][1]["failures"]
     back = [c["step"] for c in commits(run, 1) if c["time"] > failure["down_at"]]
-    assert back[0] <= 300, back[:1]  # it caught up before group 0 went past its hold
-    assert_exactly_once(run, summary, 600)
+    assert back[0] <= 120, back[:1]  # it caught up before group 0 went past its hold
+    assert_exactly_once(run, summary, 180)
     assert_groups_agree(run, 2, tmp_path)
 
 
 def test_every_group_killed_at_once_resumes_from_the_newest_checkpoint(tmp_path):
-    # Both groups are SIGKILLed at once once one has trained 130 batches of its shard, past the
-    # checkpoint of step 100 (every 50 steps in this run); they come back with no live group to
+    # Both groups are SIGKILLed at once once one has trained 60 batches of its shard, past the
+    # checkpoint of step 50 (every 25 steps in this run); they come back with no live group to
     # catch up from, resume from the job's newest checkpoint, train what followed it again and
     # finish, each batch once.
     run = tmp_path / "run"
-    proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--kill", "all@130", "--checkpoint.every=50",
-                          "--checkpoint.keep=20", *LONG)
+    proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--kill", "all@60", "--checkpoint.every=25",
+                          "--checkpoint.keep=20", "--train.steps=200", "--checkpoint.at_end=true")
     check(proc)
     for g in summary["groups"]:
         assert [f["cause"] for f in g["failures"]] == ["killed"]
-        assert g["failures"][0]["at_step"] >= 130
+        assert g["failures"][0]["at_step"] >= 60
     resumed = [int(s) for s in re.findall(r"resumed from the newest checkpoint of the job, step (\d+)",
                                           logs(run, 0) + logs(run, 1))]
-    assert resumed and all(s >= 100 for s in resumed), resumed
+    assert resumed and all(s >= 50 for s in resumed), resumed
     # The job went on from there: the first step committed after the kill is the one after it
     # (a group that came back later caught up from one that resumed).
     killed = min(g["failures"][0]["down_at"] for g in summary["groups"])
     first = min(c["step"] for g in range(2) for c in commits(run, g) if c["time"] > killed)
     assert first == max(resumed) + 1, (first, resumed)
     # The steps after the checkpoint were trained twice in wall time, but the ledger holds them once.
-    assert_exactly_once(run, summary, 600)
+    assert_exactly_once(run, summary, 200)
     assert_groups_agree(run, 2, tmp_path, since=min(g["failures"][0]["down_at"] for g in summary["groups"]))
 
 
@@ -472,17 +470,18 @@ def test_groups_on_prepared_parquet_data_lose_no_sample_across_a_kill(tmp_path):
 
 
 def test_the_survivors_of_a_hung_group_go_on_within_two_seconds_and_it_catches_up_when_it_wakes(tmp_path):
-    # Three groups of one rank; every process of group 2 is SIGSTOPped once it has trained 20
-    # batches (its sockets stay open: a hang, not a crash) and SIGCONTed 15 s later. Group 2
-    # stalls 3 s inside the first all-reduce of step 21, the others waiting in it, so the stop
-    # lands there (the launcher sees step 20 committed within a poll) and not between two steps,
-    # where the lighthouse alone drops a silent group from the next quorum. Holds order the rest
+    # Three groups of one rank; every process of group 2 is SIGSTOPped 1.5 s after it has trained
+    # 20 batches (its sockets stay open: a hang, not a crash) and SIGCONTed 15 s later. Group 2
+    # stalls 4 s inside the first all-reduce of step 21, the others waiting in it, so the stop
+    # lands there and not between two steps, where the lighthouse alone drops a silent group
+    # from the next quorum (a stop at once could strike before group 2 asked for step 21's
+    # quorum). Holds order the rest
     # by events: every group holds at step 1 (all three are in step 20), and groups 0 and 1 hold
     # at step 250 until group 2 is back, so it wakes to a live run however long it slept.
     run = tmp_path / "run"
-    proc, summary = local(run, "--replicas", "3", "--nproc", "1", "--stop", "2@20:15",
+    proc, summary = local(run, "--replicas", "3", "--nproc", "1", "--stop", "2@20+1.5:15",
                           "--faults=[{at_step: 1, during: vote, kind: hold},"
-                          " {at_step: 21, during: allreduce, kind: delay, delay_s: 3, replicas: [2]},"
+                          " {at_step: 21, during: allreduce, kind: delay, delay_s: 4, replicas: [2]},"
                           " {at_step: 250, during: vote, kind: hold, replicas: [0, 1]}]",
                           "--train.steps=270", "--checkpoint.at_end=true")
     check(proc)
