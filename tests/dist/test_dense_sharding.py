@@ -19,7 +19,7 @@ from freescale.model.dense_sharding import DenseReduction, FullyShard, ShardedRe
 from freescale.profile.timeline import NullTimeline
 from freescale.train.verify import snapshot
 from helpers.launch import FAST, QUICKSTART, check, freescale, torchrun
-from helpers.owned_tables import batches_of, build
+from helpers.owned_tables import batches_of, build, train_through
 from helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -44,13 +44,7 @@ def _stream(rank):
 def _train(mode, sharding, rank, world):
     model, optimizer, pipeline = build(mode, rank, world, "torch_dist", NullTimeline(),
                                        overrides=[f"--train.pipeline={mode}", f"--dense.sharding={sharding}"])
-    batches = iter(_stream(rank))
-    losses = []
-    try:
-        while True:
-            losses.append(pipeline.progress(batches).loss.item())
-    except StopIteration:
-        pass
+    losses = train_through(pipeline, iter(_stream(rank)))
     pipeline.drain()
     state = snapshot(model, optimizer)
     pipeline.close()
@@ -76,9 +70,9 @@ def _same_training(ref_losses, ref, losses, got, kinds=("embedding rows", "dense
             assert diff <= TOLERANCE, (kind, key, diff)
 
 
-def _fsdp_against_replicate(rank, world, mode):
-    ref_losses, ref, ref_model = _train(mode, "replicate", rank, world)
-    losses, got, model = _train(mode, "fsdp", rank, world)
+def _fsdp_against_replicate(rank, world):
+    ref_losses, ref, ref_model = _train("sync", "replicate", rank, world)
+    losses, got, model = _train("sync", "fsdp", rank, world)
     # Sharded per block, then the task: each layer is a unit of its own (its parameters gathered
     # for its forward alone), every parameter a DTensor of which this rank holds about half, and
     # the optimizer's state likewise.
@@ -93,24 +87,17 @@ def _fsdp_against_replicate(rank, world, mode):
     assert sum(v.to_local().numel() for v in moments) <= 2 * (whole // world + len(params))
     _same_training(ref_losses, ref, losses, got)
     # And it trained: the dense parameters moved.
-    fresh = build(mode, rank, world, "torch_dist", NullTimeline())[0]
+    fresh = build("sync", rank, world, "torch_dist", NullTimeline())[0]
     moved = max(float((ref["dense parameters"][k] - p.detach()).abs().max()) for k, p in fresh.task.named_parameters())
     assert moved > 1e-3, moved
+    # The prioritized pipeline with fsdp: bit for bit the synchronous one with fsdp (so, above,
+    # the synchronous one with replicate).
+    prioritized_losses, prioritized, _ = _train("prioritized", "fsdp", rank, world)
+    _same_training(losses, got, prioritized_losses, prioritized)
 
 
-@pytest.mark.parametrize("mode", ["sync", "prioritized"])
-def test_fsdp_trains_as_replicate_with_its_state_sharded(mode):
-    run_ranks(2, _fsdp_against_replicate, mode)
-
-
-def _prioritized_against_sync(rank, world):
-    ref_losses, ref, _ = _train("sync", "fsdp", rank, world)
-    losses, got, _ = _train("prioritized", "fsdp", rank, world)
-    _same_training(ref_losses, ref, losses, got)
-
-
-def test_prioritized_with_fsdp_is_bitwise_equal_to_sync_with_fsdp():
-    run_ranks(2, _prioritized_against_sync)
+def test_fsdp_trains_as_replicate_with_its_state_sharded_and_prioritized_as_sync():
+    run_ranks(2, _fsdp_against_replicate)
 
 
 class _HalfUsed(nn.Module):

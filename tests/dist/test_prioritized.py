@@ -15,7 +15,7 @@ from freescale.profile.timeline import NullTimeline
 from freescale.train.verify import snapshot
 from freescale.transport.base import HIGH, NORMAL
 from helpers.launch import FAST, QUICKSTART, REPO, check, freescale, metrics, torchrun
-from helpers.owned_tables import ITEMS, SMALL, batches_of, build
+from helpers.owned_tables import ITEMS, SMALL, batches_of, build, train_through
 from helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -108,13 +108,7 @@ def _train(mode, rank, world, transport_kind, log=None, steps=None, device="cpu"
         pipeline.inner.streams = Streams("cpu", module=recorder)
         pipeline.inner.side = pipeline.inner.streams.side()
         pipeline.inner.transport = RecordingTransport(pipeline.inner.transport, log, recorder)
-    batches = iter(batches_of(rank)[:steps])
-    losses = []
-    try:
-        while True:
-            losses.append(pipeline.progress(batches).loss.item())
-    except StopIteration:
-        pass
+    losses = train_through(pipeline, iter(batches_of(rank)[:steps]))
     if log is not None:
         log.append(("drain",))
     pipeline.drain()

@@ -72,3 +72,14 @@ def build(mode, rank, world, transport_kind, timeline, device="cpu", overrides=(
     pipeline = build_pipeline(mode, model, optimizer, torch.device(device), timeline, group=topo.pg,
                               transport_cfg=cfg.transport)
     return model, optimizer, pipeline
+
+
+def train_through(pipeline, batches) -> list[float]:
+    """Every step's loss until the pipeline has trained the last of ``batches`` (an iterator:
+    ``progress`` raises StopIteration once it is spent and nothing is left in flight)."""
+    losses = []
+    try:
+        while True:
+            losses.append(pipeline.progress(batches).loss.item())
+    except StopIteration:
+        return losses
