@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_ft.py [--data ml100k|synthetic] [--replicas 2] [--nproc 1] [--steps 1200]
         [--fail-at 100 600] [--checkpoint-every 50] [--restart-delay 1] [--repeats 3]
-        [--set section.key=value ...] [--out PATH]
+        [--shardings replicate fsdp] [--set section.key=value ...] [--out PATH]
 
 Both variants train ``configs/ft_local.yaml``'s model (``train.pipeline: sync``) with the same
 ranks, the same global batch and the same steps, through ``freescale local``, on MovieLens-100K
@@ -29,6 +29,11 @@ alternate in order. Per run, from every group's ledger and commit log:
 - stall per failure: the longest time the job committed no new step around each failure;
 - held-out AUC and NE at the end (``data.eval_samples`` held-out samples), to be read against
   the spread of the clean runs.
+
+``--shardings replicate fsdp`` runs all of it for each ``dense.sharding`` (``--nproc`` of 2 or
+more: ``fsdp`` shards the dense part over a group's ranks), the shardings alternating in every
+repetition, and adds each sharding's clean step time to the table: goodput with the dense part
+sharded inside the groups, and what the sharding costs per step, from one invocation.
 
 Results go to ``--out`` (default ``runs/bench_ft.json``); the table shows means and spread.
 """
@@ -115,6 +120,24 @@ def spread(values: list[float]) -> dict:
     return {"mean": round(statistics.fmean(values), 4), "min": round(min(values), 4), "max": round(max(values), 4)}
 
 
+def variant_stats(runs: dict) -> dict:
+    """Per variant: goodput (failures over clean, repetition by repetition), samples/s, stall,
+    clean step time, AUC and NE."""
+    stats = {}
+    for v in VARIANTS:
+        clean, failed = runs[f"{v}/clean"], runs[f"{v}/failures"]
+        stats[v] = {
+            "goodput": spread([f["samples_per_s"] / c["samples_per_s"] for c, f in zip(clean, failed)]),
+            "samples_per_s_clean": spread([c["samples_per_s"] for c in clean]),
+            "samples_per_s_failures": spread([f["samples_per_s"] for f in failed]),
+            "stall_s": spread([s for f in failed for s in f["stall_s"]]),
+            "step_ms_clean": spread([c["step_ms"] for c in clean]),
+            "auc_clean": spread([c["auc"] for c in clean]), "auc_failures": spread([f["auc"] for f in failed]),
+            "ne_clean": spread([c["ne"] for c in clean]), "ne_failures": spread([f["ne"] for f in failed]),
+        }
+    return stats
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", choices=list(DATA), default="ml100k")
@@ -126,45 +149,55 @@ def main() -> None:
     parser.add_argument("--restart-delay", type=float, default=1.0)
     parser.add_argument("--eval-samples", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--shardings", nargs="+", choices=["replicate", "fsdp"], default=None,
+                        help="run everything once per dense.sharding, alternating (default: the config's)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="config overrides for every run")
     parser.add_argument("--out", default=os.path.join(REPO, "runs", "bench_ft.json"))
     args = parser.parse_args()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     started = time.time()
+    shardings = args.shardings or [None]
     order = [(v, f) for v in VARIANTS for f in (False, True)]
-    runs = {f"{v}/{'failures' if f else 'clean'}": [] for v, f in order}
-    progress = bar(total=args.repeats * len(order), desc="bench_ft", unit="run")
+    runs = {sh: {f"{v}/{'failures' if f else 'clean'}": [] for v, f in order} for sh in shardings}
+    progress = bar(total=args.repeats * len(order) * len(shardings), desc="bench_ft", unit="run")
     with tempfile.TemporaryDirectory(prefix="bench_ft-") as root:
         for rep in range(args.repeats):
             say(progress, f"repetition {rep + 1}/{args.repeats}")
-            for variant, failures in (order if rep % 2 == 0 else order[::-1]):
-                runs[f"{variant}/{'failures' if failures else 'clean'}"].append(
-                    run_variant(variant, failures, args, args.set, root))
-                progress.update()
+            for sharding in (shardings if rep % 2 == 0 else shardings[::-1]):
+                overrides = [*args.set, *([f"dense.sharding={sharding}"] if sharding else [])]
+                if sharding:
+                    say(progress, f"dense.sharding: {sharding}")
+                for variant, failures in (order if rep % 2 == 0 else order[::-1]):
+                    runs[sharding][f"{variant}/{'failures' if failures else 'clean'}"].append(
+                        run_variant(variant, failures, args, overrides, root))
+                    progress.update()
     progress.close()
-    stats = {}
-    for v in VARIANTS:
-        clean, failed = runs[f"{v}/clean"], runs[f"{v}/failures"]
-        stats[v] = {
-            "goodput": spread([f["samples_per_s"] / c["samples_per_s"] for c, f in zip(clean, failed)]),
-            "samples_per_s_clean": spread([c["samples_per_s"] for c in clean]),
-            "samples_per_s_failures": spread([f["samples_per_s"] for f in failed]),
-            "stall_s": spread([s for f in failed for s in f["stall_s"]]),
-            "auc_clean": spread([c["auc"] for c in clean]), "auc_failures": spread([f["auc"] for f in failed]),
-            "ne_clean": spread([c["ne"] for c in clean]), "ne_failures": spread([f["ne"] for f in failed]),
-        }
+    stats = {sh: variant_stats(runs[sh]) for sh in shardings}
     print(f"\n{args.data}: {args.replicas} groups x {args.nproc} rank(s), {args.steps} steps, failures at steps {args.fail_at}, "
           f"restart delay {args.restart_delay} s, checkpoint every {args.checkpoint_every} steps")
-    print(f"{'variant':<15}{'goodput (min-max)':>22}{'stall per failure, s':>25}{'AUC clean':>20}{'AUC failures':>20}")
-    for v in VARIANTS:
-        s = stats[v]
-        print(f"{v:<15}{s['goodput']['mean']:>10.3f} ({s['goodput']['min']:.3f}-{s['goodput']['max']:.3f})"
-              f"{s['stall_s']['mean']:>12.2f} ({s['stall_s']['min']:.2f}-{s['stall_s']['max']:.2f})"
-              f"{s['auc_clean']['mean']:>9.4f} ({s['auc_clean']['min']:.3f}-{s['auc_clean']['max']:.3f})"
-              f"{s['auc_failures']['mean']:>9.4f} ({s['auc_failures']['min']:.3f}-{s['auc_failures']['max']:.3f})")
-    ratio = stats["replica_layer"]["goodput"]["mean"] / stats["sync_restart"]["goodput"]["mean"]
-    print(f"goodput replica layer / sync restart: {ratio:.2f}x")
-    write_json_atomic(args.out, {"args": vars(args), "runs": runs, "stats": stats, "goodput_ratio": round(ratio, 3),
+    print(f"{'variant':<15}{'sharding':<11}{'goodput (min-max)':>22}{'stall per failure, s':>25}{'step ms clean':>20}"
+          f"{'AUC clean':>20}{'AUC failures':>20}")
+    for sharding in shardings:
+        for v in VARIANTS:
+            s = stats[sharding][v]
+            print(f"{v:<15}{sharding or '(config)':<11}{s['goodput']['mean']:>10.3f} ({s['goodput']['min']:.3f}-{s['goodput']['max']:.3f})"
+                  f"{s['stall_s']['mean']:>12.2f} ({s['stall_s']['min']:.2f}-{s['stall_s']['max']:.2f})"
+                  f"{s['step_ms_clean']['mean']:>9.1f} ({s['step_ms_clean']['min']:.1f}-{s['step_ms_clean']['max']:.1f})"
+                  f"{s['auc_clean']['mean']:>9.4f} ({s['auc_clean']['min']:.3f}-{s['auc_clean']['max']:.3f})"
+                  f"{s['auc_failures']['mean']:>9.4f} ({s['auc_failures']['min']:.3f}-{s['auc_failures']['max']:.3f})")
+        ratio = stats[sharding]["replica_layer"]["goodput"]["mean"] / stats[sharding]["sync_restart"]["goodput"]["mean"]
+        print(f"goodput replica layer / sync restart{f' ({sharding})' if sharding else ''}: {ratio:.2f}x")
+    if args.shardings and set(shardings) == {"replicate", "fsdp"}:
+        step = {sh: stats[sh]["replica_layer"]["step_ms_clean"]["mean"] for sh in shardings}
+        print(f"replica layer step time fsdp / replicate (clean): {step['fsdp'] / step['replicate']:.2f}x")
+    if not args.shardings:
+        runs, stats = runs[None], stats[None]
+        ratio = stats["replica_layer"]["goodput"]["mean"] / stats["sync_restart"]["goodput"]["mean"]
+    else:
+        ratio = {sh: round(stats[sh]["replica_layer"]["goodput"]["mean"] / stats[sh]["sync_restart"]["goodput"]["mean"], 3)
+                 for sh in shardings}
+    write_json_atomic(args.out, {"args": vars(args), "runs": runs, "stats": stats,
+                                 "goodput_ratio": ratio if isinstance(ratio, dict) else round(ratio, 3),
                                  "seconds": round(time.time() - started, 1)})
     print(f"wrote {args.out}")
 
