@@ -27,8 +27,8 @@ The protocol, one watchdog (a thread) per rank:
    its timeout, and writes only into the abandoned step's tensors.
 4. A group whose own collective fails (a broken link, an error before it sent anything)
    aborts its process group, and also says so in the quorum's store (``ABORTED_KEY``, under
-   the quorum's prefix): the watchdogs of the others poll that key as often as the lighthouse
-   and give the quorum up when it appears. Closing the group's sockets alone does not release
+   the quorum's prefix): while a rank waits for a collective, its watchdog checks that key as
+   often as it reads the lighthouse and gives the quorum up when it appears. Closing the group's sockets alone does not release
    them: gloo wakes a peer's operation only where it waits on that very connection at that
    moment, so a group that posts its part just as the others close waits for ``ft.timeout_s``.
 5. The vote fences a group that was itself stopped. torchft's vote asks the process group for
@@ -45,8 +45,8 @@ The protocol, one watchdog (a thread) per rank:
 Every failed vote makes torchft's next quorum a new one (its id goes up), so a quorum given up
 is never built on again.
 
-Costs: one HTTP request to the lighthouse and one key check in the quorum's store per rank
-every ``ft.hang_timeout_s / 10``; a false
+Costs: one HTTP request to the lighthouse per rank every ``ft.hang_timeout_s / 10``, and a key
+check in the quorum's store as often while the rank waits for a collective; a false
 alarm (heartbeats late by ``ft.hang_timeout_s`` on an overloaded host, or a thread of the rank
 kept off the interpreter for half of it) costs one step trained again. Not covered: some ranks
 of a group hung while its rank 0 keeps beating, and a hang while the survivors build the
@@ -134,11 +134,10 @@ class Watchdog:
     """One rank's watchdog (module docstring): ``watch`` wraps the cross-replica process group
     and starts the thread; ``close`` stops it."""
 
-    def __init__(self, lighthouse: str, group: str, hang_timeout_s: float, store_timeout_s: float = 10.0) -> None:
+    def __init__(self, lighthouse: str, group: str, hang_timeout_s: float) -> None:
         self.lighthouse = lighthouse
         self.group = group
         self.hang_timeout_s = hang_timeout_s
-        self.store_timeout_s = store_timeout_s
         self.pg: WatchedProcessGroup | None = None
         self._given_up: dict[int, str] = {}  # quorum id -> why
         self._abandoned: list = []  # detached gloo groups (kept: see WatchedProcessGroup.abort)
@@ -149,9 +148,11 @@ class Watchdog:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="freescale-watchdog", daemon=True)
         # The abort notices (module docstring, 4), on a thread of their own: a store that does
-        # not answer (its host hung) delays them, never the lighthouse's verdicts.
-        self._aborted: list[tuple[int, str]] = []  # (quorum id, its store) this group aborted, to be told
+        # not answer (its host hung) delays them, never the lighthouse's verdicts. Every store
+        # request is bounded by half of ft.hang_timeout_s, which close() outwaits.
+        self._aborted: list[tuple[int, str, int]] = []  # (quorum id, its store, tries left) to be told
         self._store: tuple[str, object] | None = None  # (address, client) of the last store read
+        self._waits = 0  # watched collectives being waited for
         self._wake = threading.Event()
         self._notices = threading.Thread(target=self._run_notices, name="freescale-watchdog-notices", daemon=True)
 
@@ -200,7 +201,7 @@ class Watchdog:
         if quorum_id is None or store_addr is None:
             return
         with self._changed:
-            self._aborted.append((quorum_id, store_addr))
+            self._aborted.append((quorum_id, store_addr, POLLS_PER_TIMEOUT))
         self._wake.set()
 
     def _run_notices(self) -> None:
@@ -216,10 +217,16 @@ class Watchdog:
     def _notice_turn(self) -> None:
         with self._changed:
             aborted, self._aborted = self._aborted, []
-        for quorum_id, store_addr in aborted:
-            self._client(store_addr).set(ABORTED_KEY, self.group)
+            waiting = self._waits > 0
+        for i, (quorum_id, store_addr, tries) in enumerate(aborted):
+            try:
+                self._client(store_addr).set(ABORTED_KEY, self.group)
+            except Exception:
+                with self._changed:  # (told again next turn, a few times: the store may be slow)
+                    self._aborted[:0] = [(q, a, t - 1) for q, a, t in aborted[i:] if t > 1]
+                raise
         quorum_id, store_addr = self.pg.store
-        if quorum_id is None or store_addr is None or self.given_up(quorum_id):
+        if not waiting or quorum_id is None or store_addr is None or self.given_up(quorum_id):
             return
         store = self._client(store_addr)
         if store.check([ABORTED_KEY]):
@@ -233,7 +240,8 @@ class Watchdog:
         if self._store is None or self._store[0] != store_addr:
             from torchft.process_group import create_store_client
 
-            self._store = (store_addr, create_store_client(store_addr, timedelta(seconds=self.store_timeout_s)))
+            self._store = None
+            self._store = (store_addr, create_store_client(store_addr, timedelta(seconds=self.hang_timeout_s / 2)))
         return self._store[1]
 
     def give_up(self, quorum_id: int | None, cause: str) -> None:
@@ -285,10 +293,14 @@ class Watchdog:
 
         threading.Thread(target=waiter, name="freescale-collective-wait", daemon=True).start()
         with self._changed:
-            while not outcome:
-                if quorum_id in self._given_up:
-                    raise HungReplica(self._given_up[quorum_id])
-                self._changed.wait()
+            self._waits += 1
+            try:
+                while not outcome:
+                    if quorum_id in self._given_up:
+                        raise HungReplica(self._given_up[quorum_id])
+                    self._changed.wait()
+            finally:
+                self._waits -= 1
         ok, value = outcome[0]
         if not ok:
             raise value
@@ -311,8 +323,8 @@ class Watchdog:
         self._stop.set()
         self._wake.set()
         for thread in (self._thread, self._notices):
-            if thread.is_alive():
-                thread.join(timeout=self.hang_timeout_s)
+            if thread.is_alive():  # (out of any store or HTTP request before the interpreter ends)
+                thread.join(timeout=2 * self.hang_timeout_s)
 
 
 class NullWatchdog:
@@ -395,4 +407,4 @@ def build_watchdog(ft, lighthouse: str):
     """A ``Watchdog`` for this rank, or a ``NullWatchdog`` with ``ft.hang_timeout_s: 0``."""
     if not ft.hang_timeout_s:
         return NullWatchdog()
-    return Watchdog(lighthouse, f"replica{ft.replica_id}", ft.hang_timeout_s, store_timeout_s=ft.timeout_s)
+    return Watchdog(lighthouse, f"replica{ft.replica_id}", ft.hang_timeout_s)

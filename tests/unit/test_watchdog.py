@@ -257,3 +257,25 @@ def test_a_slow_status_page_does_not_read_as_this_process_stopped():
     finally:
         watchdog.close()
         server.shutdown()
+
+
+def test_a_store_out_of_reach_keeps_the_notices_thread_no_longer_than_close_waits():
+    # The quorum's store is gone (its group died) while this rank waits in a collective: each
+    # check fails within half of ft.hang_timeout_s, so close() finds the thread out of the
+    # store's client, not left inside it as the interpreter ends (which aborts the process).
+    import socket
+
+    from torchft import ProcessGroupGloo
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # (nothing listens there once closed)
+    watchdog = Watchdog("http://127.0.0.1:9", "replica0", hang_timeout_s=1.0)
+    watchdog.watch(ProcessGroupGloo())
+    watchdog.pg._quorum_id, watchdog.pg.store = 5, (5, f"127.0.0.1:{port}/torchft/5/0")
+    threading.Thread(target=lambda: _raised(lambda: watchdog.wait(_Work(), quorum_id=5)), daemon=True).start()
+    time.sleep(1.5)
+    watchdog.give_up(5, "the test is over")
+    started = time.monotonic()
+    watchdog.close()
+    assert not watchdog._notices.is_alive() and time.monotonic() - started < 2.5
