@@ -72,6 +72,7 @@ log = logging.getLogger("freescale")
 POLLS_PER_TIMEOUT = 10  # status reads (and abort-notice checks) per ft.hang_timeout_s
 ABORTED_KEY = "freescale/aborted"
 """In a quorum's store (its prefix): the name of a group that aborted the quorum's collectives."""
+ANNOUNCE_TRIES = 3  # (each failed connection to a store is a few lines of c10d's log)
 
 
 class HungReplica(RuntimeError):
@@ -201,7 +202,7 @@ class Watchdog:
         if quorum_id is None or store_addr is None:
             return
         with self._changed:
-            self._aborted.append((quorum_id, store_addr, POLLS_PER_TIMEOUT))
+            self._aborted.append((quorum_id, store_addr, ANNOUNCE_TRIES))
         self._wake.set()
 
     def _run_notices(self) -> None:
@@ -222,7 +223,7 @@ class Watchdog:
             try:
                 self._client(store_addr).set(ABORTED_KEY, self.group)
             except Exception:
-                with self._changed:  # (told again next turn, a few times: the store may be slow)
+                with self._changed:  # (told again next turn: the store may be slow; not for ever: it may be gone)
                     self._aborted[:0] = [(q, a, t - 1) for q, a, t in aborted[i:] if t > 1]
                 raise
         quorum_id, store_addr = self.pg.store
