@@ -11,10 +11,10 @@ data; a group that joins late catches up first, so the kill always lands on real
 up from a live peer, or, when no group is left alive, resumes from the job's newest checkpoint
 (the trainer decides: ``ReplicaLayer.join``); with ``--resume`` it resumes from its own last
 checkpoint instead. ``--stop R@S[+AFTER][:SECONDS]`` hangs a group instead: every process of
-group R is SIGSTOPped once it has trained S batches of its shard (AFTER seconds later: inside
-its next step rather than between two) (its sockets stay open, as a frozen host's do) and
-SIGCONTed SECONDS later (15 by default); it then finds its step failed and catches up. A group is not restarted once every other group has finished the run:
-there is no live run left to rejoin. The launcher prints a progress line per group, waits for
+group R is SIGSTOPped once it has trained S batches of its shard, or AFTER seconds later (inside
+its next step rather than between two); its sockets stay open, as a frozen host's do; it is
+SIGCONTed SECONDS later (15 by default), finds its step failed and catches up. A group is not
+restarted once every other group has finished the run: there is no live run left to rejoin. The launcher prints a progress line per group, waits for
 the end and writes ``<run>/local_summary.json``:
 
 - per group: committed steps, steps that trained its own batch, exit code, console log;

@@ -28,9 +28,10 @@ The protocol, one watchdog (a thread) per rank:
 4. A group whose own collective fails (a broken link, an error before it sent anything)
    aborts its process group, and also says so in the quorum's store (``ABORTED_KEY``, under
    the quorum's prefix): while a rank waits for a collective, its watchdog checks that key as
-   often as it reads the lighthouse and gives the quorum up when it appears. Closing the group's sockets alone does not release
-   them: gloo wakes a peer's operation only where it waits on that very connection at that
-   moment, so a group that posts its part just as the others close waits for ``ft.timeout_s``.
+   often as it reads the lighthouse and gives the quorum up when it appears. Closing the
+   group's sockets alone does not release the others: gloo wakes a peer's operation only where
+   it waits on that very connection at that moment, so a group that posts its part just as the
+   others close waits for ``ft.timeout_s``.
 5. The vote fences a group that was itself stopped. torchft's vote asks the process group for
    an error (``errored()``), and the watched group answers one while its quorum is given up,
    or when the quorum is one it was in while the watchdog's own thread did not run for more
