@@ -41,10 +41,13 @@ that takes a peer's state learns from it which of its own batches that state has
 batch in hand (the step's vote failed here after the peers committed it) or none.
 
 ``join`` runs before the first batch is drawn (the trainer calls it when the group has run
-before): if a live group is ahead, the group catches up in a *zero step* (it takes part in the
-peers' step with zeros and loads their state); if none is (every group was lost), it lets the
-step pass, loads the newest checkpoint of the job and tries again, so the groups that come
-back meet on the newest state and go on from there.
+before). The newest state wins: if a live group is ahead of this one and not behind the job's
+newest checkpoint, the group catches up from it in a *zero step* (it takes part in the peers'
+step with zeros and loads their state); otherwise (every group was lost, or the live ones
+never reached the newest checkpoint: a group that started late, or whose catch-up failed when
+its peer died) it vetoes the step (no group commits it: a live group must not commit a step
+on a state the restored one overtakes), loads the newest checkpoint of the job and tries
+again, so the groups meet on the newest state and go on from there.
 
 The layer drives torchft's parts but does not make them: ``build_manager`` makes the
 ``Manager`` and its process group, with the declared faults' wrappers around them
@@ -103,6 +106,15 @@ class Vote:
 COMMITTED = Vote(stepped=True, trained=True)
 
 
+@dataclass(frozen=True)
+class Restore:
+    """The job's newest checkpoint, for a group that joins: its ``step`` (0: none) and ``load``,
+    which loads it into the training state (the newest then: it may have moved on)."""
+
+    step: int
+    load: Callable[[], None]
+
+
 class NullReplica:
     """No replica layer: one group, every step commits."""
 
@@ -115,7 +127,7 @@ class NullReplica:
     def vote(self) -> Vote:
         return COMMITTED
 
-    def join(self, restore: Callable[[], None] | None) -> None:
+    def join(self, restore: Restore | None) -> None:
         pass
 
     def committed(self, step: int, next_batch: int, trained: bool = True) -> None:
@@ -260,16 +272,17 @@ class ReplicaLayer:
         self.wait_quorum()  # a peer's snapshot for a group catching up is taken before any write
         self.side.touch(touched)
 
-    def exchange_rows(self, keys: torch.Tensor, batch=None) -> RowPlan:
+    def exchange_rows(self, keys: torch.Tensor, batch=None, veto: bool = False) -> RowPlan:
         """The step's header and the union of every group's row ``keys`` (sorted unique keys of
         the table side's row space). ``batch``: this group's batch in the step (None: no batch,
-        a group that catches up)."""
+        a group that catches up); ``veto``: no group may commit the step (a group about to load
+        the job's newest checkpoint)."""
         self.wait_quorum()
         present = batch is not None and self.manager.is_participating()
         if present and self.on_contribute is not None:
             self.on_contribute(self._step, batch)
         header = pack_header(self.replicas, self.replica, self.cursor.next_batch + 1 if present else None,
-                             len(keys))
+                             len(keys), veto=veto)
         if not self._allreduce(header, absent_zero=False):
             return empty_plan(self.side.space)
         self._header = read_header(header, self.replicas)
@@ -317,6 +330,7 @@ class ReplicaLayer:
         self.wait_quorum()
         self._check_group()
         self._check_members()
+        self._check_vetoes()
         self._scale_lr()
         before = self.cursor.next_batch
         stepped = self.manager.should_commit()
@@ -325,9 +339,10 @@ class ReplicaLayer:
             self.side.rollback()
             self._put_back_step()
             cause = str(self.manager.errored() or "too few replicas").splitlines()[0][:200]
+            vetoed = self._header is not None and bool(self._header.vetoes[self.replica])  # (its own doing)
             if not self._joining:
                 log.warning(f"step {self._step} not committed ({cause}): rolled back, its batch is trained again")
-            elif self._stash is not None or not self.manager.is_participating():
+            elif not vetoed and (self._stash is not None or not self.manager.is_participating()):
                 log.warning(f"catching up in step {self._step} failed ({cause}): the group tries again")
             self._stash = None
             return Vote(stepped=False, trained=False)
@@ -417,6 +432,16 @@ class ReplicaLayer:
             self.manager.report_error(RuntimeError(f"{members} replica group(s) in the step, "
                                                    f"ft.min_replicas is {self.cfg.min_replicas}"))
 
+    def _check_vetoes(self) -> None:
+        """A group that vetoes the step (it loads the job's newest checkpoint) fails it everywhere."""
+        if self._header is None or self.manager.errored():
+            return
+        vetoes = self._header.vetoes.nonzero().flatten().tolist()
+        if vetoes:
+            names = ", ".join(f"replica{g}" for g in vetoes)
+            self.manager.report_error(RuntimeError(f"replica group {names} vetoed the step: it loads the job's newest "
+                                                   f"checkpoint, which the live groups then catch up from"))
+
     def check_group(self, where: str) -> None:
         """Raise if the ranks of the group do not hold the same step and cursor (the end of a run)."""
         self._check_group(where)
@@ -451,29 +476,36 @@ class ReplicaLayer:
 
     # Joining -------------------------------------------------------------------------------
 
-    def join(self, restore: Callable[[], None] | None) -> None:
+    def join(self, restore: Restore | None) -> None:
         """Settle the state of a group that has run before, before it draws a batch (module
-        docstring); ``restore`` loads the newest checkpoint of the job into the state (None:
-        the state is the one to go on from, a checkpoint the launch resumed)."""
+        docstring); ``restore``: the job's newest checkpoint (None: the state is the one to go
+        on from, a checkpoint the launch resumed)."""
         self._joining = True
         restored = False
         try:
             while True:
                 self.begin()
                 self.wait_quorum()
-                if not self.manager.is_participating():  # a live group is ahead: catch up from it
+                behind = not self.manager.is_participating()  # a live group is ahead
+                furthest = self.manager.current_step()  # the quorum's furthest committed step
+                if restore is not None and not restored and (not behind or restore.step > furthest):
+                    if behind:
+                        log.info(f"the live replica groups are at step {furthest}, behind the job's newest "
+                                 f"checkpoint (step {restore.step}): loading it, and they catch up from this group")
+                    else:
+                        log.info("no live replica group is ahead of this one (the others were lost, or finished): "
+                                 "loading the job's newest checkpoint")
+                elif behind:  # catch up from the live group ahead
                     if self._zero_step().stepped:
                         self.state.parts["trainer"].step += 1
                         self.committed(self.trainer_step, self.cursor.next_batch, trained=False)
                         return
                     continue
-                if restored or restore is None:
+                else:
                     self._quorum_open = True  # the first step runs in this quorum
                     return
-                log.info("no live replica group is ahead of this one (the others were lost, or finished): "
-                         "loading the job's newest checkpoint")
-                self._zero_step(abstain=True)
-                restore()
+                self._zero_step(veto=True)
+                restore.load()
                 self.side.load_state_dict({})
                 self._put_back_step()
                 if self.rank == 0:
@@ -482,13 +514,13 @@ class ReplicaLayer:
         finally:
             self._joining = False
 
-    def _zero_step(self, abstain: bool = False) -> Vote:
-        """Take part in the peers' step with zeros (no batch); ``abstain``: vote against it."""
-        plan = self.exchange_rows(NO_KEYS, batch=None)
+    def _zero_step(self, veto: bool = False) -> Vote:
+        """Take part in the peers' step with zeros (no batch); ``veto``: no group commits it."""
+        plan = self.exchange_rows(NO_KEYS, batch=None, veto=veto)
         for p in self.dense_params:
             p.grad = torch.zeros_like(p)
-        if abstain:
-            self.manager.report_error(RuntimeError("joining: this group lets the step pass"))
+        if veto:
+            self.manager.report_error(RuntimeError("joining: this group vetoes the step"))
         return self.finish(plan, torch.zeros(plan.size))
 
     def close(self) -> None:

@@ -4,12 +4,12 @@ Every step under the replica layer, the groups' rank-``r`` ranks (the owners of 
 shard in every group) exchange, over torchft's process group, which rows they contribute and
 then one value per row of the union:
 
-1. the *header*: one int64 all-reduce (sum) of ``4 R`` slots, ``R`` = ``ft.num_replicas``.
-   Group ``g`` fills slot ``g`` of four parts: a flag (it is in the step's quorum), a flag (its
+1. the *header*: one int64 all-reduce (sum) of ``5 R`` slots, ``R`` = ``ft.num_replicas``.
+   Group ``g`` fills slot ``g`` of five parts: a flag (it is in the step's quorum), a flag (its
    batch is in the step), the data cursor it will hold if the step commits (so every group
-   learns every other group's cursor with the state it commits), and how many row keys it
-   contributes. A group that is catching up is in the quorum with no batch: the other three
-   are zero.
+   learns every other group's cursor with the state it commits), how many row keys it
+   contributes, and a flag (it vetoes the step: no group may commit it). A group that is
+   catching up is in the quorum with no batch: the batch's three parts are zero.
 2. the *keys*: one int64 all-reduce (sum) of every group's sorted keys in its own segment
    (segment ``g`` starts after the counts of groups ``0 .. g-1``; the others are zero there),
    which is an all-gather over an all-reduce. The union is the same on every group.
@@ -41,23 +41,29 @@ class Header(NamedTuple):
     """[R] int64: the data cursor each present group holds once the step commits."""
     counts: torch.Tensor
     """[R] int64: row keys each group contributes."""
+    vetoes: torch.Tensor
+    """[R] bool: the group vetoes the step (it is about to load a newer state than the step's)."""
 
 
-def pack_header(replicas: int, replica: int, cursor_after: int | None, count: int) -> torch.Tensor:
+HEADER_PARTS = 5
+
+
+def pack_header(replicas: int, replica: int, cursor_after: int | None, count: int, veto: bool = False) -> torch.Tensor:
     """This group's header: its slots filled, the others zero (``cursor_after`` None: its batch
-    is not in the step, and it contributes no rows)."""
-    header = torch.zeros(4 * replicas, dtype=torch.int64)
+    is not in the step, and it contributes no rows; ``veto``: no group may commit the step)."""
+    header = torch.zeros(HEADER_PARTS * replicas, dtype=torch.int64)
     header[replica] = 1
     if cursor_after is not None:
         header[replicas + replica] = 1
         header[2 * replicas + replica] = cursor_after
         header[3 * replicas + replica] = count
+    header[4 * replicas + replica] = int(veto)
     return header
 
 
 def read_header(reduced: torch.Tensor, replicas: int) -> Header:
-    members, present, cursors, counts = reduced.view(4, replicas)
-    return Header(members.bool(), present.bool(), cursors.clone(), counts.clone())
+    members, present, cursors, counts, vetoes = reduced.view(HEADER_PARTS, replicas)
+    return Header(members.bool(), present.bool(), cursors.clone(), counts.clone(), vetoes.bool())
 
 
 def pack_keys(keys: torch.Tensor, counts: torch.Tensor, replica: int) -> torch.Tensor:

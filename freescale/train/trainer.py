@@ -37,7 +37,7 @@ from freescale.config import ExperimentConfig, declared_faults, write_config
 from freescale.data.loader import BatchLoader, SampleSource, build_sources, eval_batches
 from freescale.distributed import Topology
 from freescale.faults import build_faults
-from freescale.ft.replica import ReplicaFiles, build_replica
+from freescale.ft.replica import ReplicaFiles, Restore, build_replica
 from freescale.io import write_json_atomic
 from freescale.logging import log_file_path, log_to_file, setup_logging
 from freescale.model.flops import matmul_widths, training_flops
@@ -201,7 +201,8 @@ def _train(cfg: ExperimentConfig, topo: Topology, device: torch.device, threads:
     pipeline = training.build_pipeline(device, timeline, group=group, replica=replica)
     closing.callback(pipeline.close)
     if cfg.ft.enable and group_has_run_before(run_dir, group):
-        replica.join(None if resume_from else lambda: _restore_newest(checkpointer, state, run_dir, log, group))
+        replica.join(None if resume_from else Restore(
+            step=newest_job_step(run_dir, group), load=lambda: _restore_newest(checkpointer, state, run_dir, log, group)))
     first_step = trainer.step
 
     # The logs, cut back to the state the loop starts from (what comes after is trained again).
@@ -296,6 +297,12 @@ def group_has_run_before(run_dir: str, group: dist.ProcessGroup) -> bool:
 def job_checkpoints_agreed(run_dir: str, group: dist.ProcessGroup) -> list[tuple[int, str]]:
     """The job's checkpoints as the group's rank 0 sees them, on every rank (the same reason)."""
     return distributed.agreed(lambda: job_checkpoints(run_dir), group)
+
+
+def newest_job_step(run_dir: str, group: dist.ProcessGroup) -> int:
+    """The step of the job's newest checkpoint (0: none), the same on every rank of the group."""
+    found = job_checkpoints_agreed(run_dir, group)
+    return found[-1][0] if found else 0
 
 
 def _restore_newest(checkpointer: Checkpointer, state: TrainingState, run_dir: str, log: logging.Logger,

@@ -39,14 +39,16 @@ LR = 0.1
 @dataclass
 class Peer:
     """Another replica group's part of the step: ``cursor_after`` its data cursor once the step
-    commits (None: it catches up, no batch), its row ``keys``, and the value it puts in every
-    element of the dense gradients and of the rows' values."""
+    commits (None: it catches up, no batch), its row ``keys``, the value it puts in every
+    element of the dense gradients and of the rows' values, and whether it vetoes the step."""
 
     replica: int
     cursor_after: int | None = None
     keys: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.int64))
     dense: float = 0.0
     rows: float = 0.0
+    veto: bool = False
+    """It vetoes the step (a group that joins by loading the job's newest checkpoint)."""
 
 
 @dataclass
@@ -99,7 +101,7 @@ class FakeProcessGroup:
         peers = self.quorum.peers
         if index == 0:  # the header
             for p in peers:
-                tensor += pack_header(self.replicas, p.replica, p.cursor_after, len(p.keys))
+                tensor += pack_header(self.replicas, p.replica, p.cursor_after, len(p.keys), veto=p.veto)
             self._header = read_header(tensor.clone(), self.replicas)
         elif tensor.dtype == torch.int64:  # the keys, each group's in its segment
             for p in peers:

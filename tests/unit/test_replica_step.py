@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 
 from freescale.ft.catchup import transfer_state
-from freescale.ft.replica import STATE_KEY, Vote
-from helpers.fake_manager import LR, Peer, Quorum, group_of_ranks, make_layer, training_state
+from freescale.ft.replica import STATE_KEY, Restore, Vote
+from helpers.fake_manager import LR, Peer, Quorum, ThreadedGroups, group_of_ranks, in_threads, make_layer, training_state
 
 
 def _params(model) -> list[torch.Tensor]:
@@ -68,7 +68,7 @@ def test_a_committed_step_averages_the_gradients_applies_the_rows_and_records_th
     assert summed.tolist() == [0.75] * (3 * 2)
     assert t.tables.events == ["committed", "apply"]
     # This group's header: in the step, with a batch, its cursor after it and two keys.
-    assert t.pg.calls[0].view(4, 2)[:, 0].tolist() == [1, 1, 1, 2]
+    assert t.pg.calls[0].view(5, 2)[:, 0].tolist() == [1, 1, 1, 2, 0]
     assert t.state.parts["data"].positions == [0, 5]  # the peer's cursor as the step leaves it
     assert t.manager.current_step() == 1
 
@@ -168,7 +168,7 @@ def test_a_group_catching_up_takes_the_peers_state_at_the_vote_and_learns_its_ba
     assert vote == Vote(stepped=True, trained=trained, rewritten=True)
     assert contributed == []  # no batch of its own in the step
     # It contributed zeros: no keys, no batch, and the peer's gradient alone over one participant.
-    assert t.pg.calls[0].view(4, 2)[:, 0].tolist() == [1, 0, 0, 0]
+    assert t.pg.calls[0].view(5, 2)[:, 0].tolist() == [1, 0, 0, 0, 0]
     (keys, summed), = t.tables.applied
     assert keys.tolist() == [2] and summed.tolist() == [0.5, 0.5]
     for p in t.model.parameters():
@@ -264,7 +264,7 @@ def test_joining_behind_a_live_group_catches_up_in_a_zero_step(tmp_path):
     t.layer.join(restore=None)
 
     assert t.state.parts["trainer"].step == 10 and t.manager.current_step() == 10
-    assert t.pg.calls[0].view(4, 2)[:, 0].tolist() == [1, 0, 0, 0]  # in the step, no batch
+    assert t.pg.calls[0].view(5, 2)[:, 0].tolist() == [1, 0, 0, 0, 0]  # in the step, no batch
     for p in t.model.parameters():  # the peer's weights, stepped with the peer's gradient alone
         torch.testing.assert_close(p.detach(), torch.full_like(p, 7.0 - LR * 1.0), rtol=0, atol=1e-6)
     assert t.state.parts["data"].positions == [6, 21]
@@ -281,13 +281,14 @@ def test_joining_with_no_group_ahead_lets_the_step_pass_restores_and_keeps_the_n
     restored = []
 
     def restore():
-        restored.append(t.manager.votes[:])
+        restored.append((t.manager.votes[:], t.pg.calls[0].view(5, 2)[:, 0].tolist()))
         t.state.parts["trainer"].step = 7
         t.state.parts["data"].positions = [6, 8]
 
-    t.layer.join(restore)
+    t.layer.join(Restore(step=7, load=restore))
 
-    assert restored == [[False]]  # after the group voted against the step it let pass
+    # After the group voted against the step it was in with no batch, vetoing it.
+    assert restored == [([False], [1, 0, 0, 0, 1])]
     assert t.tables.events == ["rollback", "load"] and t.tables.loaded == [{}]
     assert t.manager.current_step() == 7
     with open(tmp_path / "ft_cursor.json") as f:
@@ -296,6 +297,64 @@ def test_joining_with_no_group_ahead_lets_the_step_pass_restores_and_keeps_the_n
     # The first step runs in the quorum the join left open.
     assert _step(t, [], BATCH, grad=1.0, value=0.0) == Vote(stepped=True, trained=True)
     assert t.manager.calls.count("start_quorum") == 2
+
+
+@pytest.mark.parametrize("newest", [9, 12])
+def test_joining_behind_a_live_group_catches_up_unless_the_jobs_newest_checkpoint_is_further(tmp_path, newest):
+    # A live group at step 9 and the job's newest checkpoint at step 9: the group catches up from
+    # the live one. At step 12 (the live group started late, or its catch-up failed when the
+    # group it fetched from died): the group vetoes the step, loads the checkpoint and opens the
+    # next quorum, where it is the furthest (the live group catches up from it).
+    state = _peer_state(2, 0, step=9, positions=[6, 20], fill=7.0)
+    peer = Peer(1, cursor_after=21, dense=1.0)
+    t = make_layer(run_dir=tmp_path, quorums=[Quorum(participating=False, participants=1, peer_step=9, peer_state=state,
+                                                     peers=[peer]), Quorum(participants=2)])
+    loaded = []
+
+    def load():
+        loaded.append((t.manager.votes[:], t.pg.calls[0].view(5, 2)[:, 0].tolist()))
+        t.state.parts["trainer"].step = newest
+
+    t.layer.join(Restore(step=newest, load=load))
+
+    if newest == 9:
+        assert loaded == [] and t.state.parts["trainer"].step == 10 and t.manager.votes == [True]
+        assert t.pg.calls[0].view(5, 2)[:, 0].tolist() == [1, 0, 0, 0, 0]
+        assert t.manager.calls.count("start_quorum") == 1
+    else:
+        assert loaded == [([False], [1, 0, 0, 0, 1])]  # after its vote against the step it vetoed
+        assert t.state.parts["trainer"].step == 12 and t.manager.current_step() == 12
+        assert t.tables.loaded == [{}]  # the peer's tables were not taken
+        assert t.manager.calls.count("start_quorum") == 2  # the first step's quorum is open
+        t.layer.begin()
+        assert t.manager.calls.count("start_quorum") == 2
+
+
+def test_a_group_vetoing_the_step_fails_it_in_every_group_in_the_step(tmp_path):
+    # Two layers meeting through the threaded process group: group 0 is live at step 0 with a
+    # batch (it started late and has trained nothing); group 1 restarts and, finding no live group
+    # ahead, joins by loading the job's newest checkpoint (step 7). Group 0 must not commit the
+    # step: its state would be one the restored group overtakes, and its batch lost when it then
+    # catches up.
+    hub = ThreadedGroups(2)
+    live = make_layer(run_dir=tmp_path / "g0", replica=0, pg=hub.member(0), quorums=[Quorum(participants=2)])
+    joining = make_layer(run_dir=tmp_path / "g1", replica=1, pg=hub.member(1),
+                         quorums=[Quorum(participants=2), Quorum(participants=2)])
+    (tmp_path / "g0").mkdir()
+    (tmp_path / "g1").mkdir()
+    before = _params(live.model)
+
+    def load():
+        joining.state.parts["trainer"].step = 7
+
+    vote, _ = in_threads([lambda: _step(live, [1], BATCH, grad=2.0, value=0.5),
+                          lambda: joining.layer.join(Restore(step=7, load=load))])
+
+    assert vote == Vote(stepped=False, trained=False)
+    assert "replica group replica1 vetoed the step" in str(live.manager.errored())
+    assert all(torch.equal(p.detach(), b) for p, b in zip(live.model.parameters(), before))
+    assert live.tables.events == ["rollback"] and live.state.parts["data"].next_batch == 0
+    assert joining.state.parts["trainer"].step == 7
 
 
 def test_joining_in_step_with_the_others_and_nothing_to_restore_opens_the_first_steps_quorum(tmp_path):

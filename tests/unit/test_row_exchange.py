@@ -15,14 +15,16 @@ def summed(buffers):
 
 
 def test_headers_say_who_takes_part_with_which_cursor_and_how_many_keys():
-    # Group 1 catches up: in the quorum, no batch; group 3 is not in the quorum at all.
-    headers = [pack_header(4, 0, cursor_after=8, count=4), pack_header(4, 1, cursor_after=None, count=7),
+    # Group 1 catches up: in the quorum, no batch, and it vetoes the step; group 3 is not in the
+    # quorum at all.
+    headers = [pack_header(4, 0, cursor_after=8, count=4), pack_header(4, 1, cursor_after=None, count=7, veto=True),
                pack_header(4, 2, cursor_after=5, count=0)]
     header = read_header(summed(headers), 4)
     assert header.members.tolist() == [True, True, True, False]
     assert header.present.tolist() == [True, False, True, False]
     assert header.cursors.tolist() == [8, 0, 5, 0]
     assert header.counts.tolist() == [4, 0, 0, 0]
+    assert header.vetoes.tolist() == [False, True, False, False]
 
 
 def test_keys_gather_into_each_groups_segment():
