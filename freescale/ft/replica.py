@@ -529,13 +529,13 @@ class ReplicaLayer:
 
 
 def build_manager(cfg, topo, faults, *, step: Callable[[], int], groups_in_step: Callable[[], int]):
-    """torchft's ``Manager`` of this rank and its process group (``ProcessGroupGloo``, joining
-    rank ``topo.rank`` of every group), each inside the wrapper of the faults declared there
+    """torchft's ``Manager`` of this rank and its process group (torchft's ``ProcessGroupGloo``,
+    joining rank ``topo.rank`` of every group, its builds watched too), each inside the wrapper of the faults declared there
     (``freescale.ft.faults``; the part itself when none is), the group watched by the hang
     watchdog (``freescale.ft.watchdog``): ``(manager, pg, watchdog)``. The wrappers read
     ``step`` (the step being attempted) and ``groups_in_step`` (the groups in its quorum)."""
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's managers log every quorum and vote at info
-    from torchft import Manager, ProcessGroupGloo
+    from torchft import Manager
     from torchft.checkpointing import HTTPTransport
 
     from freescale.ft.faults import wrap_manager, wrap_process_group, wrap_transport
@@ -545,7 +545,7 @@ def build_manager(cfg, topo, faults, *, step: Callable[[], int], groups_in_step:
     timeout = timedelta(seconds=ft.timeout_s)
     lighthouse = os.environ.get(LIGHTHOUSE_ENV) or ft.lighthouse
     watchdog = build_watchdog(ft, lighthouse)  # a hung group's collectives given up in seconds
-    pg = watchdog.watch(wrap_process_group(ProcessGroupGloo(timeout=timeout), faults, step))
+    pg = watchdog.watch(wrap_process_group(watchdog.gloo(timeout), faults, step))
     manager = Manager(
         pg=pg,
         load_state_dict=None,  # (the layer registers its state: ReplicaLayer)

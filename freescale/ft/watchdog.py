@@ -43,6 +43,13 @@ The protocol, one watchdog (a thread) per rank:
    and catches up from one of them. Voting against a step is always safe: when the peers did
    commit it with this group's batch, the catch-up says so (``ReplicaLayer._trained_by_peers``).
 
+6. Building a quorum's process group is watched the same way: a group that dies or hangs after
+   the quorum formed but before its ranks connected leaves the others' gloo build waiting for
+   it, up to five connection tries of ``ft.timeout_s`` each (50 s at the default). A build
+   whose quorum is given up raises ``HungReplica`` at once, so torchft's quorum fails the step
+   (its group never built); the build goes on in its thread, and the group it may still make
+   is kept and never used (``WatchedGloo``).
+
 Every failed vote makes torchft's next quorum a new one (its id goes up), so a quorum given up
 is never built on again.
 
@@ -50,9 +57,8 @@ Costs: one HTTP request to the lighthouse per rank every ``ft.hang_timeout_s / 1
 check in the quorum's store as often while the rank waits for a collective; a false
 alarm (heartbeats late by ``ft.hang_timeout_s`` on an overloaded host, or a thread of the rank
 kept off the interpreter for half of it) costs one step trained again. Not covered: some ranks
-of a group hung while its rank 0 keeps beating, and a hang while the survivors build the
-quorum's process group or fetch a peer's state from the hung group (they wait for
-``ft.timeout_s``, as before).
+of a group hung while its rank 0 keeps beating, and a group that hangs while another fetches
+its state (the fetch waits for ``ft.timeout_s``, as before).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import Work
-from torchft.process_group import ProcessGroupWrapper
+from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
 
 log = logging.getLogger("freescale")
 
@@ -157,6 +163,10 @@ class Watchdog:
         self._waits = 0  # watched collectives being waited for
         self._wake = threading.Event()
         self._notices = threading.Thread(target=self._run_notices, name="freescale-watchdog-notices", daemon=True)
+
+    def gloo(self, timeout: timedelta) -> WatchedGloo:
+        """torchft's gloo process group, its builds watched (module docstring, 6)."""
+        return WatchedGloo(self, timeout)
 
     def watch(self, pg) -> WatchedProcessGroup:
         self.pg = WatchedProcessGroup(pg, self)
@@ -284,25 +294,45 @@ class Watchdog:
         """``work.wait()``, unless ``quorum_id`` is given up first (``HungReplica``). The wait
         itself runs on a thread of its own, never a callback on gloo's thread: gloo's group joins
         its threads when torn down, holding the interpreter a callback would need."""
-        outcome: list = []
-
-        def waiter() -> None:
-            try:
-                outcome.append((True, work.wait()))
-            except Exception as e:
-                outcome.append((False, e))
-            self._notify()
-
-        threading.Thread(target=waiter, name="freescale-collective-wait", daemon=True).start()
         with self._changed:
             self._waits += 1
-            try:
-                while not outcome:
-                    if quorum_id in self._given_up:
-                        raise HungReplica(self._given_up[quorum_id])
-                    self._changed.wait()
-            finally:
+        try:
+            return self._unless_given_up(work.wait, quorum_id, "freescale-collective-wait")
+        finally:
+            with self._changed:
                 self._waits -= 1
+
+    def build(self, make, quorum_id: int | None):
+        """``make()`` (a process group's build for ``quorum_id``), unless the quorum is given up
+        first (``HungReplica``); a group the abandoned build makes later is kept (``abandon``)."""
+        return self._unless_given_up(make, quorum_id, "freescale-group-build", keep_late=self.abandon)
+
+    def _unless_given_up(self, call, quorum_id: int | None, name: str, keep_late=None):
+        """``call()`` on a thread of its own, waited for until ``quorum_id`` is given up
+        (``HungReplica``, the call left to end in its thread; what it returns then goes to
+        ``keep_late``)."""
+        outcome: list = []
+        left: list = []  # set when the caller stopped waiting
+
+        def run() -> None:
+            try:
+                result = (True, call())
+            except Exception as e:
+                result = (False, e)
+            with self._changed:
+                outcome.append(result)
+                late = bool(left)
+                self._changed.notify_all()
+            if late and result[0] and keep_late is not None:
+                keep_late(result[1])
+
+        threading.Thread(target=run, name=name, daemon=True).start()
+        with self._changed:
+            while not outcome:
+                if quorum_id in self._given_up:
+                    left.append(True)
+                    raise HungReplica(self._given_up[quorum_id])
+                self._changed.wait()
         ok, value = outcome[0]
         if not ok:
             raise value
@@ -317,10 +347,6 @@ class Watchdog:
         """Keep a detached gloo group for the life of the rank (one per hang: a gloo context)."""
         self._abandoned.append(pg)
 
-    def _notify(self) -> None:
-        with self._changed:
-            self._changed.notify_all()
-
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
@@ -331,6 +357,9 @@ class Watchdog:
 
 class NullWatchdog:
     """``ft.hang_timeout_s: 0``: no watchdog, a hung group stalls the others for ``ft.timeout_s``."""
+
+    def gloo(self, timeout: timedelta):
+        return ProcessGroupGloo(timeout=timeout)
 
     def watch(self, pg):
         return pg
@@ -351,6 +380,20 @@ class _WatchedWork(Work):
 
     def get_future(self):
         return self.work.get_future()
+
+
+class WatchedGloo(ProcessGroupGloo):
+    """torchft's gloo process group whose build gives up with its quorum (module docstring, 6):
+    torchft's ``configure`` assigns what ``_create_pg`` returns, so a build given up assigns
+    nothing, and the group it may make later never replaces a newer quorum's."""
+
+    def __init__(self, watchdog: Watchdog, timeout: timedelta) -> None:
+        super().__init__(timeout=timeout)
+        self.watchdog = watchdog
+
+    def _create_pg(self, store, rank: int, world_size: int):
+        make = super()._create_pg
+        return self.watchdog.build(lambda: make(store, rank, world_size), self._quorum_id)
 
 
 class WatchedProcessGroup(ProcessGroupWrapper):

@@ -279,3 +279,44 @@ def test_a_store_out_of_reach_keeps_the_notices_thread_no_longer_than_close_wait
     started = time.monotonic()
     watchdog.close()
     assert not watchdog._notices.is_alive() and time.monotonic() - started < 2.5
+
+
+def test_a_process_group_build_gives_up_with_its_quorum_and_what_it_makes_late_is_kept_unused():
+    # Quorum 5 has two groups; the other never connects (it died, or hangs, after the quorum
+    # formed): gloo's build would wait for it for several tries of the timeout. Once the quorum
+    # is given up, configure raises at once; the next quorum (this group alone) builds and works;
+    # and when quorum 5's peer does connect, the abandoned build's group is kept, never used.
+    from torch.distributed import TCPStore
+    from torch.distributed.distributed_c10d import AllreduceOptions
+    from torchft import ProcessGroupGloo
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+    def store(q: int) -> str:
+        return f"127.0.0.1:{server.port}/torchft/{q}/0"
+
+    watchdog = Watchdog("http://127.0.0.1:9", "replica0", hang_timeout_s=1.0)
+    pg = watchdog.watch(watchdog.gloo(timedelta(seconds=8)))
+    try:
+        threading.Timer(0.5, lambda: watchdog.give_up(5, "replica group replica1 of quorum 5 is hung")).start()
+        started = time.monotonic()
+        with pytest.raises(HungReplica, match="replica1 of quorum 5 is hung"):
+            pg.configure(store(5), "replica0", 0, 2, 5)
+        assert time.monotonic() - started < 4.0  # (the build alone waits 8 s for the peer's address)
+
+        pg.configure(store(6), "replica0", 0, 1, 6)
+        ones = torch.ones(3)
+        pg.allreduce([ones], AllreduceOptions()).wait()
+        assert ones.tolist() == [1.0, 1.0, 1.0] and pg.size() == 1
+
+        late = threading.Thread(target=lambda: ProcessGroupGloo(timeout=timedelta(seconds=8)).configure(
+            store(5), "replica1", 1, 2, 5), daemon=True)
+        late.start()
+        late.join(timeout=10)
+        deadline = time.monotonic() + 5
+        while not watchdog._abandoned and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(watchdog._abandoned) == 1 and watchdog._abandoned[0].size() == 2
+        assert pg.size() == 1  # the group in use is still quorum 6's
+    finally:
+        watchdog.close()
