@@ -487,7 +487,7 @@ class ReplicaLayer:
                 self.begin()
                 self.wait_quorum()
                 behind = not self.manager.is_participating()  # a live group is ahead
-                furthest = self.manager.current_step()  # the quorum's furthest committed step
+                furthest = self._furthest_step()
                 if restore is not None and not restored and (not behind or restore.step > furthest):
                     if behind:
                         log.info(f"the live replica groups are at step {furthest}, behind the job's newest "
@@ -513,6 +513,14 @@ class ReplicaLayer:
                 restored = True
         finally:
             self._joining = False
+
+    def _furthest_step(self) -> int:
+        """The quorum's furthest committed step, the same on every rank of the group: torchft moves
+        a rank's step to the peer's only once its fetch succeeded, so a rank whose fetch failed
+        still holds its own (the group's highest is the quorum's, unless every fetch failed)."""
+        step = torch.tensor([self.manager.current_step()], dtype=torch.int64)
+        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=self.group)
+        return int(step)
 
     def _zero_step(self, veto: bool = False) -> Vote:
         """Take part in the peers' step with zeros (no batch); ``veto``: no group commits it."""

@@ -72,6 +72,9 @@ class Quorum:
     """What the group's other ranks vote."""
     error: Exception | None = None
     """Reported during the quorum (a failed fetch, a peer's error)."""
+    step_moved: bool = True
+    """A group catching up: torchft moved the manager's step to the peer's (False: the fetch
+    failed before it did, as when the transfer itself fails)."""
 
 
 class FakeProcessGroup:
@@ -221,7 +224,7 @@ class FakeManager:
             return
         self._waited = True
         self.calls.append("wait_quorum")
-        if not self.quorum.participating:
+        if not self.quorum.participating and self.quorum.step_moved:
             self._step = self.quorum.peer_step  # (torchft loads the peer's step with its state)
         if self.quorum.error is not None:
             self.report_error(self.quorum.error)

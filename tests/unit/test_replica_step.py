@@ -330,6 +330,33 @@ def test_joining_behind_a_live_group_catches_up_unless_the_jobs_newest_checkpoin
         assert t.manager.calls.count("start_quorum") == 2
 
 
+def test_joining_ranks_decide_alike_when_one_ranks_fetch_failed(tmp_path):
+    # Rank 0's fetch failed before torchft moved its step to the peer's (9); rank 1's did not.
+    # Compared alone with the job's newest checkpoint (step 7), rank 0 would load it while rank 1
+    # catches up: the group's ranks decide on the quorum's furthest step as the group sees it.
+    store = dist.HashStore()
+    state = _peer_state(2, 0, step=9, positions=[0, 20], fill=7.0)
+    results, errors = {}, []
+
+    def rank(r):
+        try:
+            first = Quorum(participating=False, peer_step=9, peer_state=state, peers=[Peer(1, cursor_after=21)],
+                           step_moved=bool(r), error=None if r else RuntimeError("fetching the peer's state failed"))
+            again = Quorum(participating=False, peer_step=9, peer_state=state, peers=[Peer(1, cursor_after=21)])
+            t = make_layer(run_dir=tmp_path, quorums=[first, again], group=group_of_ranks(r, 2, store), rank=r)
+            loaded = []
+            t.layer.join(Restore(step=7, load=lambda: loaded.append(r)))
+            results[r] = (loaded, t.state.parts["trainer"].step, t.manager.votes)
+        except BaseException as e:  # (reported by the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert not errors, errors
+    assert results == {r: ([], 10, [False, True]) for r in range(2)}
+
+
 def test_a_group_vetoing_the_step_fails_it_in_every_group_in_the_step(tmp_path):
     # Two layers meeting through the threaded process group: group 0 is live at step 0 with a
     # batch (it started late and has trained nothing); group 1 restarts and, finding no live group
