@@ -279,7 +279,10 @@ def test_every_group_killed_at_once_resumes_from_the_newest_checkpoint(tmp_path)
     check(proc)
     for g in summary["groups"]:
         assert [f["cause"] for f in g["failures"]] == ["killed"]
-        assert g["failures"][0]["at_step"] >= 60
+    # Killed once one group had committed 60 steps; the other may not have written its last
+    # commit yet, but both were past the checkpoint.
+    at = [g["failures"][0]["at_step"] for g in summary["groups"]]
+    assert max(at) >= 60 and min(at) > 50, at
     resumed = [int(s) for s in re.findall(r"resumed from the newest checkpoint of the job, step (\d+)",
                                           logs(run, 0) + logs(run, 1))]
     assert resumed and all(s >= 50 for s in resumed), resumed
