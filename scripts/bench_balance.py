@@ -1,6 +1,6 @@
 """Benchmark of cost-balanced samples.
 
-    .venv/bin/python scripts/bench_balance.py [--quick] [--repeats 3] [--ranks 2 4] [--skip-training]
+    .venv/bin/python scripts/bench_balance.py [--repeats 3] [--ranks 2 4] [--steps 40] [--skip-training | --only-hierarchy]
 
 (a) Partition quality and speed: global batches of 64 samples per rank for 8..1024 ranks on
     several length distributions (lognormal; heavy tails up to 2K and 21K; the real per-user
@@ -257,7 +257,7 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="rank counts for the training section")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--skip-training", action="store_true", help="only the partition sections")
+    parser.add_argument("--skip-training", action="store_true", help="only the partition sections (a) and (c), no training (about 70 s on 2 cores)")
     parser.add_argument("--only-hierarchy", action="store_true", help="only section (c), hierarchical at scale")
     parser.add_argument("--hierarchy-ranks", type=int, nargs="+", default=[8192, 32768, 100000],
                         help="rank counts of section (c)")
