@@ -63,6 +63,7 @@ def test_an_export_loads_and_predicts_in_a_process_that_cannot_import_freescale(
 import importlib.util, json, sys
 sys.modules["freescale"] = None  # any import of FreeScale fails from here on
 import torch
+torch.set_num_threads(1)  # (the same float sums as the reference below, whatever the cores)
 spec = importlib.util.spec_from_file_location("serve", {str(folder / "serve.py")!r})
 serve = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(serve)
@@ -77,7 +78,12 @@ print(json.dumps({{"logits": logits.tolist(),
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert got["freescale"] == []
-    here = load_export(str(folder)).predict(*eval(REQUEST))
+    threads = torch.get_num_threads()  # (another test in this process may have set it)
+    torch.set_num_threads(1)
+    try:
+        here = load_export(str(folder)).predict(*eval(REQUEST))
+    finally:
+        torch.set_num_threads(threads)
     assert got["logits"] == here.tolist() and len(got["logits"]) == 5
 
 
