@@ -9,13 +9,22 @@ groups need nothing more; for several hosts, bind an address the others can reac
 Run as a job of its own (a cluster's, ``freescale.torchx``), it is told the run folder and the
 number of groups (``RunWatch``) and exits once every group has finished the run, so the job
 ends with its groups rather than at the scheduler's time limit.
+
+``freescale lighthouse`` prints a line when the groups in the quorum change and, at most once a
+minute, how many quorums it formed meanwhile (``QuorumLog``, from its own status page); torchft's
+own log (every heartbeat and quorum) is turned down to warnings unless ``RUST_LOG`` says
+otherwise.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import signal
+import socket
 import threading
+import time
+import urllib.request
 from dataclasses import dataclass, field
 
 DEFAULT_BIND = "127.0.0.1:29510"
@@ -30,10 +39,93 @@ class LighthouseOptions:
     quorum_tick_ms: int = 50
 
 
+WILDCARD_HOSTS = ("0.0.0.0", "::", "[::]")
+
+
 def address_of(options: LighthouseOptions) -> str:
-    """What replicas set as ``ft.lighthouse`` (the bound address: the server's own names the host,
-    which may resolve to an address it does not listen on)."""
-    return f"http://{options.bind}"
+    """What replicas set as ``ft.lighthouse``: the bound address (the server's own names the
+    host, which may resolve to an address it does not listen on), or, bound to every interface,
+    this host's name, which other hosts can reach."""
+    host, _, port = options.bind.rpartition(":")
+    if host in WILDCARD_HOSTS:
+        host = socket.getfqdn() or socket.gethostname()
+    return f"http://{host}:{port}"
+
+
+def local_address_of(options: LighthouseOptions) -> str:
+    """Where this host reads the lighthouse's own status page."""
+    host, _, port = options.bind.rpartition(":")
+    return f"http://{'127.0.0.1' if host in WILDCARD_HOSTS else host}:{port}"
+
+
+@dataclass(frozen=True)
+class LighthouseStatus:
+    """What the lighthouse's status page says: its last quorum and the age of every heartbeat."""
+
+    quorum_id: int | None
+    """The last quorum formed (None: none yet)."""
+    members: tuple[str, ...]
+    """Its members' replica ids (``replica<g>:<uuid>``)."""
+    heard: dict[str, float]
+    """Replica id -> seconds since its last heartbeat (every group the lighthouse ever heard)."""
+
+
+_QUORUM = re.compile(r"Previous quorum id:\s*(\d+)")
+_MEMBER = re.compile(r'<div class="member[^>]*>\s*<b>([^<]+)</b>')
+_HEARD = re.compile(r"([^\s<>]+): seen ([0-9.eE+-]+)s ago")
+
+
+def parse_status(page: str) -> LighthouseStatus:
+    """torchft's lighthouse status page (``templates/status.html``), read."""
+    quorum = _QUORUM.search(page)
+    return LighthouseStatus(quorum_id=int(quorum.group(1)) if quorum else None,
+                            members=tuple(m.strip() for m in _MEMBER.findall(page)),
+                            heard={r: float(age) for r, age in _HEARD.findall(page)})
+
+
+def read_status(lighthouse: str, timeout: float) -> LighthouseStatus:
+    with urllib.request.urlopen(lighthouse.rstrip("/") + "/status", timeout=timeout) as response:
+        return parse_status(response.read().decode())
+
+
+def group_of(replica_id: str) -> str:
+    """``replica2:<uuid>`` -> ``replica2`` (torchft appends a uuid per manager it starts)."""
+    return replica_id.split(":", 1)[0]
+
+
+@dataclass
+class QuorumLog:
+    """The lighthouse's log lines from its status pages (``update``): one when the groups in the
+    quorum change, and at most one per ``summary_s`` of how many quorums it formed meanwhile
+    (every failed step makes a new one, which would otherwise be a line each)."""
+
+    summary_s: float = 60.0
+    _quorum: int | None = None
+    _groups: tuple[str, ...] = ()
+    _formed: int = 0
+    _since: float | None = None
+
+    def update(self, status: LighthouseStatus, now: float) -> list[str]:
+        lines = []
+        if self._since is None:
+            self._since = now
+        if status.quorum_id is not None and status.quorum_id != self._quorum:
+            groups = tuple(sorted({group_of(m) for m in status.members}))
+            if groups != self._groups:
+                joined = [g for g in groups if g not in self._groups]
+                left = [g for g in self._groups if g not in groups]
+                change = "; ".join([f"{', '.join(joined)} joined"] * bool(joined) + [f"{', '.join(left)} left"] * bool(left))
+                lines.append(f"lighthouse: quorum {status.quorum_id} of {len(groups)} group(s): {', '.join(groups)}"
+                             + (f" ({change})" if change else ""))
+            else:
+                self._formed += 1
+            self._quorum, self._groups = status.quorum_id, groups
+        if now - self._since >= self.summary_s:
+            if self._formed:
+                lines.append(f"lighthouse: {self._formed} more quorum(s) of the same groups in the last "
+                             f"{now - self._since:.0f} s (each failed step forms one), the last {self._quorum}")
+            self._formed, self._since = 0, now
+        return lines
 
 
 def start_lighthouse(options: LighthouseOptions):
@@ -85,7 +177,9 @@ class RunWatch:
 
 
 def serve(options: LighthouseOptions, watch: RunWatch | None = None, poll_s: float = 1.0) -> None:
-    """Run the lighthouse until SIGINT or SIGTERM, or until ``watch`` sees the run finished."""
+    """Run the lighthouse until SIGINT or SIGTERM, or until ``watch`` sees the run finished,
+    printing the quorum's changes (``QuorumLog``)."""
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's lighthouse logs every heartbeat at info
     server = start_lighthouse(options)
     address = address_of(options)
     print(f"lighthouse at {address} (min replicas {options.min_replicas}, heartbeat timeout "
@@ -94,8 +188,15 @@ def serve(options: LighthouseOptions, watch: RunWatch | None = None, poll_s: flo
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(poll_s if watch else None):
-        if watch.finished():
+    status_page, log = local_address_of(options), QuorumLog()
+    while not stop.wait(poll_s):
+        try:
+            lines = log.update(read_status(status_page, timeout=poll_s), time.monotonic())
+        except (OSError, ValueError):  # (a slow page: the next turn reads it)
+            lines = []
+        for line in lines:
+            print(line, flush=True)
+        if watch is not None and watch.finished():
             print(f"lighthouse: every replica group in {watch.run_dir} finished the run", flush=True)
             break
     server.shutdown()

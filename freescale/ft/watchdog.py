@@ -64,15 +64,14 @@ its state (the fetch waits for ``ft.timeout_s``, as before).
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
-import urllib.request
-from dataclasses import dataclass
 from datetime import timedelta
 
 from torch.distributed import Work
 from torchft.process_group import ProcessGroupGloo, ProcessGroupWrapper
+
+from freescale.ft.lighthouse import LighthouseStatus, group_of, read_status
 
 log = logging.getLogger("freescale")
 
@@ -84,41 +83,6 @@ ANNOUNCE_TRIES = 3  # (each failed connection to a store is a few lines of c10d'
 
 class HungReplica(RuntimeError):
     """A cross-replica collective given up: a member of its quorum is hung, or this group was."""
-
-
-@dataclass(frozen=True)
-class LighthouseStatus:
-    """What the lighthouse's status page says: its last quorum and the age of every heartbeat."""
-
-    quorum_id: int | None
-    """The last quorum formed (None: none yet)."""
-    members: tuple[str, ...]
-    """Its members' replica ids (``replica<g>:<uuid>``)."""
-    heard: dict[str, float]
-    """Replica id -> seconds since its last heartbeat (every group the lighthouse ever heard)."""
-
-
-_QUORUM = re.compile(r"Previous quorum id:\s*(\d+)")
-_MEMBER = re.compile(r'<div class="member[^>]*>\s*<b>([^<]+)</b>')
-_HEARD = re.compile(r"([^\s<>]+): seen ([0-9.eE+-]+)s ago")
-
-
-def parse_status(page: str) -> LighthouseStatus:
-    """torchft's lighthouse status page (``templates/status.html``), read."""
-    quorum = _QUORUM.search(page)
-    return LighthouseStatus(quorum_id=int(quorum.group(1)) if quorum else None,
-                            members=tuple(m.strip() for m in _MEMBER.findall(page)),
-                            heard={r: float(age) for r, age in _HEARD.findall(page)})
-
-
-def read_status(lighthouse: str, timeout: float) -> LighthouseStatus:
-    with urllib.request.urlopen(lighthouse.rstrip("/") + "/status", timeout=timeout) as response:
-        return parse_status(response.read().decode())
-
-
-def group_of(replica_id: str) -> str:
-    """``replica2:<uuid>`` -> ``replica2`` (torchft appends a uuid per manager it starts)."""
-    return replica_id.split(":", 1)[0]
 
 
 def verdict(status: LighthouseStatus, quorum_id: int | None, group: str, hang_timeout_s: float) -> str:

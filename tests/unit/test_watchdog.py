@@ -2,6 +2,7 @@
 lighthouse, the verdict, a watched wait given up, the vote's fence; the stop plans of
 `freescale local`; the slow-group report on hand-made commit files; the slow fault."""
 
+import re
 import threading
 import time
 from datetime import timedelta
@@ -11,8 +12,8 @@ import torch
 
 from freescale.config import ConfigError, load_config
 from freescale.faults import FaultInjector
-from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse
-from freescale.ft.watchdog import HungReplica, LighthouseStatus, Watchdog, read_status, verdict
+from freescale.ft.lighthouse import LighthouseOptions, LighthouseStatus, QuorumLog, address_of, read_status, start_lighthouse
+from freescale.ft.watchdog import HungReplica, Watchdog, verdict
 from freescale.local import DEFAULT_STOP_S, own_step_s, parse_stops, slow_groups
 from helpers.launch import REPO
 
@@ -42,6 +43,35 @@ def test_the_status_page_of_a_real_lighthouse_reads_as_its_quorum_and_heartbeats
     assert status.quorum_id == 1
     assert sorted(status.members) == members
     assert status.heard["replica0:aaaa"] < 0.2 < status.heard["replica1:bbbb"] < 5
+
+
+def _status(quorum_id, *groups) -> LighthouseStatus:
+    return LighthouseStatus(quorum_id, tuple(f"{g}:{quorum_id:04x}" for g in groups) if quorum_id else (), {})
+
+
+def test_the_lighthouse_logs_a_line_when_the_groups_change_and_a_summary_of_the_other_quorums():
+    log = QuorumLog(summary_s=60)
+    assert log.update(_status(None), 0.0) == []
+    assert log.update(_status(1, "replica1", "replica0"), 1.0) == [
+        "lighthouse: quorum 1 of 2 group(s): replica0, replica1 (replica0, replica1 joined)"]
+    # Quorums 2..50 of the same groups (failed steps, a held group): no line each.
+    assert [line for q in range(2, 51) for line in log.update(_status(q, "replica0", "replica1"), float(q))] == []
+    assert log.update(_status(50, "replica0", "replica1"), 50.5) == []  # (the same page read again)
+    assert log.update(_status(51, "replica0"), 51.0) == ["lighthouse: quorum 51 of 1 group(s): replica0 (replica1 left)"]
+    assert log.update(_status(52, "replica0"), 61.0) == [
+        "lighthouse: 50 more quorum(s) of the same groups in the last 61 s (each failed step forms one), the last 52"]
+    assert log.update(_status(52, "replica0"), 130.0) == []  # none formed since the summary
+    assert log.update(_status(53, "replica2", "replica0"), 131.0) == [
+        "lighthouse: quorum 53 of 2 group(s): replica0, replica2 (replica2 joined)"]
+
+
+def test_the_lighthouse_names_an_address_other_hosts_can_reach():
+    import socket
+
+    assert address_of(LighthouseOptions(bind="127.0.0.1:29510")) == "http://127.0.0.1:29510"
+    assert address_of(LighthouseOptions(bind="10.1.2.3:29510")) == "http://10.1.2.3:29510"
+    for wildcard in ("0.0.0.0", "::", "[::]"):
+        assert address_of(LighthouseOptions(bind=f"{wildcard}:29510")) == f"http://{socket.getfqdn()}:29510"
 
 
 def test_the_verdict_gives_up_a_quorum_with_a_silent_member_or_one_formed_without_this_group():
@@ -320,3 +350,58 @@ def test_a_process_group_build_gives_up_with_its_quorum_and_what_it_makes_late_i
         assert pg.size() == 1  # the group in use is still quorum 6's
     finally:
         watchdog.close()
+
+
+def test_freescale_lighthouse_prints_the_quorums_groups_not_every_heartbeat():
+    # Two groups beat every 50 ms for 3 s and form a quorum: torchft's own log would be a line or
+    # more per heartbeat and request (over 20 a second); the command prints its address and the
+    # quorum's groups.
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    from torchft.coordination import LighthouseClient
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
+    proc = subprocess.Popen([sys.executable, "-m", "freescale", "lighthouse", "--bind", f"127.0.0.1:{port}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=REPO)
+    try:
+        address = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                read_status(address, timeout=1)
+                break
+            except OSError:
+                time.sleep(0.2)
+        members = ["replica0:aaaa", "replica1:bbbb"]
+        first = LighthouseClient(address, timedelta(seconds=10))
+        for m in members:
+            first.heartbeat(m)  # both known before either asks, so the quorum waits for both
+        stop = time.monotonic() + 3
+
+        def group(member):
+            client = LighthouseClient(address, timedelta(seconds=10))
+            client.quorum(member, timedelta(seconds=10), address="x", store_address="y", step=1, world_size=1,
+                          shrink_only=False)
+            while time.monotonic() < stop:
+                client.heartbeat(member)
+                time.sleep(0.05)
+
+        threads = [threading.Thread(target=group, args=(m,)) for m in members]
+        [t.start() for t in threads]
+        [t.join(30) for t in threads]
+        time.sleep(1.5)  # (the command reads its status page once a second)
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    lines = out.strip().splitlines()
+    assert lines[0].startswith(f"lighthouse at http://127.0.0.1:{port} "), out[-2000:]
+    # (a busy host may form a quorum of the first group alone before the second one joins it)
+    assert 1 <= len(lines[1:]) <= 2 and all(line.startswith("lighthouse: quorum ") for line in lines[1:]), out[-2000:]
+    assert re.fullmatch(r"lighthouse: quorum \d+ of 2 group\(s\): replica0, replica1 \((replica0, )?replica1 joined\)",
+                        lines[-1]), out[-2000:]
