@@ -35,9 +35,12 @@ EXIT_FAILED = 1
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="freescale", description="Distributed trainer for sequence recommendation models.")
     sub = parser.add_subparsers(dest="command", required=True)
-    train = sub.add_parser("train", help="train a model (standalone or under torchrun)",
+    train = sub.add_parser("train", help="train a model (standalone, N ranks on this host with --nproc, or under torchrun)",
                            epilog="Any config key can be overridden as --section.key=value; see `freescale config --keys`.")
     train.add_argument("--config", required=True, help="experiment YAML file")
+    train.add_argument("--nproc", type=int, default=0, metavar="N",
+                       help="N ranks on this host: the config is checked here, then torchrun's launcher starts them "
+                            "(for several hosts, run torchrun -m freescale train on each)")
     report = sub.add_parser("report", help="bubble report of a run folder, or two side by side (B against A)")
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="one run folder, or two to compare")
     report.add_argument("--out", help="output folder (default: RUN/report, or RUN_B/report/compare-<A>)")
@@ -272,6 +275,54 @@ def _fail(message: str) -> None:
     sys.exit(EXIT_USAGE)
 
 
+def _fail_once(message: str) -> None:
+    """``_fail`` for an error every rank of a torchrun job finds alike (the config's): rank 0
+    says it, the others exit with the same status."""
+    if int(os.environ.get("RANK") or 0) != 0:
+        sys.exit(EXIT_USAGE)
+    _fail(message)
+
+
+def _launch(nproc: int, argv: list[str]) -> None:
+    """``freescale train --nproc N``: the config was checked here; torchrun's launcher now starts
+    N ranks of ``freescale train`` on this host, in this process. A rank that fails has said why
+    (one line); this exits with its status, without torchrun's own report of it."""
+    import logging
+
+    if nproc < 1:
+        _fail(f"--nproc: expected a value >= 1, got {nproc}")
+    if os.environ.get("TORCHELASTIC_RUN_ID"):
+        _fail("--nproc: this is already a rank of a torchrun job (drop --nproc under torchrun)")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    for name in list(logging.root.manager.loggerDict):  # (torchrun's agent logs its banner, each rank's exit)
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+    ranks = _without_nproc(argv)
+    try:
+        run(get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "freescale", *ranks]))
+    except ChildFailedError as e:
+        rank, failure = min(e.failures.items())
+        if failure.exitcode > 0:  # (the rank printed its error)
+            sys.exit(failure.exitcode)
+        print(f"freescale: error: rank {rank} ended by signal {-failure.exitcode} (pid {failure.pid})", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+
+
+def _without_nproc(argv: list[str]) -> list[str]:
+    """The command line with ``--nproc N`` (or ``--nproc=N``) taken out: what each rank runs."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--nproc":
+            skip = True
+        elif not arg.startswith("--nproc="):
+            out.append(arg)
+    return out
+
+
 def _report(args) -> None:
     from freescale.profile.report import write_comparison, write_report
 
@@ -399,7 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cfg = load_config(args.config, _split_overrides(extra))
     except ConfigError as e:
-        _fail(str(e))
+        _fail_once(str(e))
 
     if args.command == "calibrate":
         _calibrate(args, cfg)
@@ -415,6 +466,9 @@ def main(argv: list[str] | None = None) -> None:
             print(dump_yaml(cfg), end="")
         return
 
+    if args.nproc:
+        _launch(args.nproc, sys.argv[1:] if argv is None else argv)
+        return
     _train(cfg)
 
 

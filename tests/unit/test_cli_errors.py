@@ -1,8 +1,12 @@
 """The CLI's bad-input contract: exit status 2 and one line on stderr naming what was wrong."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
-from helpers.launch import QUICKSTART, freescale
+from helpers.launch import QUICKSTART, REPO, freescale, torchrun
 
 
 @pytest.mark.parametrize(
@@ -159,3 +163,51 @@ def test_a_corrupt_prepared_file_fails_before_a_run_folder_exists(tmp_path):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"freescale: error: {last}: not a readable Parquet file"), proc.stderr
     assert not run_dir.exists()
+
+
+def _plain_env() -> dict:
+    """The environment a user's shell has: no thread count set (torchrun prints a banner then)."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--config", str(QUICKSTART), "--train.stpes=10"], "unknown config key 'train.stpes' (did you mean 'train.steps'?)"),
+    (["--config", "configs/nope.yaml"], "config file not found: configs/nope.yaml"),
+])
+def test_the_readme_train_command_with_a_typo_or_a_missing_config_says_so_in_one_line(args, fragment):
+    proc = subprocess.run([sys.executable, "-m", "freescale", "train", "--nproc", "2", *args], cwd=REPO,
+                          env=_plain_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == "" and proc.stderr.strip().splitlines() == [f"freescale: error: {fragment}"], proc.stderr
+
+
+def test_a_rank_that_finds_bad_data_under_nproc_ends_the_command_with_its_line_and_status(tmp_path):
+    # The ranks read the ratings file; each says what is wrong with it, and the command exits 2
+    # without torchrun's report of the failed rank (its traceback, the ChildFailedError block).
+    path, run_dir = _bad_ratings(tmp_path), tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "freescale", "train", "--nproc", "2", "--config", str(QUICKSTART),
+                           "--data.source=ratings", f"--data.ratings.path={path}", f"--run.dir={run_dir}"], cwd=REPO,
+                          env=_plain_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert 1 <= len(lines) <= 2, proc.stderr
+    assert set(lines) == {f"freescale: error: {path}:3: rating and timestamp must be numbers, got 'four', '101'"}, \
+        proc.stderr
+
+
+def test_a_config_error_is_said_by_rank_0_alone():
+    # Every rank of a torchrun job finds a config error alike: rank 0 says it, the others exit
+    # with the same status in silence.
+    for rank, said in (("0", ["freescale: error: unknown config key 'train.stpes' (did you mean 'train.steps'?)"]),
+                       ("1", [])):
+        proc = freescale("train", "--config", str(QUICKSTART), "--train.stpes=10", env={"RANK": rank}, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.strip().splitlines() == said, (rank, proc.stderr)
+
+
+def test_under_plain_torchrun_a_config_error_is_said_once_not_per_rank():
+    proc = torchrun(2, "train", "--config", str(QUICKSTART), "--train.stpes=10", timeout=300)
+    assert proc.returncode != 0
+    said = [line for line in proc.stderr.splitlines() if line.startswith("freescale: error: ")]
+    assert said == ["freescale: error: unknown config key 'train.stpes' (did you mean 'train.steps'?)"], proc.stderr
