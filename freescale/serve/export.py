@@ -286,6 +286,13 @@ def item_vectors(task: nn.Module, specs: list[dict], weights: dict) -> torch.Ten
         return task.item_vectors(collection(ids)[UIH_FEATURE].values()).contiguous()
 
 
+def folder_mode() -> int:
+    """The mode ``os.makedirs`` gives a folder: 0o777 less this process's umask."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o777 & ~mask
+
+
 def write_export(trained: Trained, task: SeqRecTask, metrics: dict, out: str, quantize: str, phases=None) -> dict:
     """The export folder of ``trained`` (its dense part loaded in ``task``; ``metrics``: the trained
     model's held-out figures), written beside ``out`` and renamed into place."""
@@ -296,6 +303,7 @@ def write_export(trained: Trained, task: SeqRecTask, metrics: dict, out: str, qu
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out))}.", dir=parent)
     try:
+        os.chmod(tmp, folder_mode())  # (mkdtemp's folder is its owner's alone; an export is to be served)
         phases.set_postfix_str(f"quantizing the tables ({quantize})")
         specs, weights = quantized_tables(trained, quantize)
         torch.save(weights, os.path.join(tmp, standalone.TABLES))

@@ -1,5 +1,7 @@
 """The served dense part against the training forward, and its ``torch.export`` program."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -110,6 +112,17 @@ def test_an_export_serves_a_request_of_mixed_lengths_as_the_training_forward_doe
     assert got.shape == out.logits.shape
     assert float((got - out.logits).abs().max()) <= TOLERANCE
     assert len(length_groups(lengths.tolist(), served.max_padding)) > 1  # the request went through in several groups
+
+
+def test_an_export_folder_gets_the_mode_a_plain_folder_would(tmp_path):
+    import stat
+
+    mask = os.umask(0o022)
+    try:
+        _in_memory_export(tmp_path)
+    finally:
+        os.umask(mask)
+    assert stat.S_IMODE(os.stat(tmp_path / "fp32").st_mode) == 0o755  # (others read it: a server's user)
 
 
 def test_the_loader_groups_a_request_as_training_groups_a_batch():
