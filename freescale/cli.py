@@ -431,6 +431,9 @@ def _simulate(args, cfg) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    from freescale.logging import quiet_known_warnings
+
+    quiet_known_warnings()
     args, extra = _parser().parse_known_args(argv)
     if args.command in ("report", "balance", "lighthouse", "export", "serve-bench"):
         if extra:

@@ -74,3 +74,34 @@ class _ClosingFileHandler(logging.FileHandler):
 
 def get_logger() -> logging.Logger:
     return logging.getLogger(_LOGGER_NAME)
+
+
+KNOWN_HARMLESS = (
+    # torch.export asks torch.fx whether it is tracing; torch.fx warns that the answer covers both.
+    ("torch.fx._symbolic_trace", "is_fx_tracing will return true for both fx.symbolic_trace and torch.export"),
+)
+KNOWN_HARMLESS_WARNINGS = (
+    # TorchRec's sharded tables are ShardedTensors; DCP warns at every one it saves or loads.
+    (FutureWarning, "Please use DTensor instead and we are deprecating ShardedTensor"),
+)
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+def quiet_known_warnings() -> None:
+    """Silence the third-party warnings known to be harmless here (``KNOWN_HARMLESS``, each by
+    its logger and text; ``KNOWN_HARMLESS_WARNINGS``, each by its category and text); every
+    other warning stays."""
+    import warnings
+
+    for name, text in KNOWN_HARMLESS:
+        logging.getLogger(name).addFilter(_DropMessage(text))
+    for category, text in KNOWN_HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=text, category=category)
