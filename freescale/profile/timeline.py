@@ -179,9 +179,11 @@ class StepTimeline:
         """``step`` is the number the step will have once done (1-based)."""
         if self._trace_steps and step == self._trace_steps[0]:
             # Recording every step of the window; a schedule makes the profiler mark each step
-            # (ProfilerStep#N ranges, which trace tools such as HolisticTraceAnalysis key on).
+            # (ProfilerStep#N ranges, which trace tools such as HolisticTraceAnalysis key on),
+            # numbered as training numbers them (the profiler counts from 0 at its start).
             self._torch_profiler = torch.profiler.profile(record_shapes=False,
                                                           schedule=lambda _: torch.profiler.ProfilerAction.RECORD)
+            self._torch_profiler.step_num = step
             self._torch_profiler.__enter__()
         self._spans = []
         self._open = {}
@@ -221,12 +223,12 @@ class StepTimeline:
         else:
             self._pending.append((record, self._device_start, self._device_spans, self._clock.mark()))
             self._write_completed(wait=False)
-        if self._torch_profiler is not None:
-            self._torch_profiler.step()
         if self._torch_profiler is not None and step == self._trace_steps[1]:
-            self._torch_profiler.__exit__(None, None, None)
+            self._torch_profiler.__exit__(None, None, None)  # (no step() first: it would open the next step's range)
             self._torch_profiler.export_chrome_trace(self._trace_path)
             self._torch_profiler = None
+        elif self._torch_profiler is not None:
+            self._torch_profiler.step()
 
     # Spans ---------------------------------------------------------------------------------
 

@@ -50,3 +50,16 @@ def test_a_thread_sharing_its_core_with_a_cpu_bound_process_records_its_wait_for
     wall = record["end"] - record["start"]
     assert record["cpu"] + record["cpu_wait"] == pytest.approx(wall, abs=0.03), record  # it never slept
     assert record["data_cpu_wait"] > 0.02 and record["cpu_wait"] - record["data_cpu_wait"] > 0.05, record
+
+
+def test_a_traced_window_names_its_steps_as_training_numbers_them(tmp_path):
+    trace = tmp_path / "trace.json"
+    timeline = StepTimeline(str(tmp_path / "rank0.jsonl"), rank=0, world_size=1, clock_offset=0.0, threads=1,
+                            trace_steps=[3, 4], trace_path=str(trace))
+    for step in range(1, 6):
+        timeline.begin_step(step)
+        torch.ones(8).sum()
+        timeline.end_step(step, Output())
+    timeline.finish()
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {n for n in names if str(n).startswith("ProfilerStep#")} == {"ProfilerStep#3", "ProfilerStep#4"}
