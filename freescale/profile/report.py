@@ -184,13 +184,16 @@ def _plot_gantt(data: dict, window: int):
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in PHASE_COLORS.values()]
     handles.append(plt.Rectangle((0, 0), 1, 1, facecolor="#fdecea", edgecolor="#c0392b"))
     handles.append(plt.Rectangle((0, 0), 1, 1, color="#222222"))
-    ax.legend(handles, [*PHASE_COLORS, "step (waits sit inside the phases)", "straggler bubble (from own compute end)"],
-              ncol=4, fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25))
+    labels = [*PHASE_COLORS, "step (waits sit inside the phases)", "straggler bubble (from own compute end)"]
     ax.set_yticks(range(len(ranks)), [f"rank {r}" for r in ranks])
     ax.invert_yaxis()
     ax.set_xlabel("time since the window's first step (ms)")
     ax.set_title(f"Per-rank timeline, steps {shown[0]}-{shown[-1]} (numbers: step)")
-    fig.tight_layout()
+    # The legend in a band of its own below the axis label (the plot keeps the rest).
+    legend = fig.legend(handles, labels, ncol=4, fontsize=8, loc="lower center")
+    fig.canvas.draw()
+    band = legend.get_window_extent().height / fig.bbox.height + 0.02
+    fig.tight_layout(rect=(0, band, 1, 1))
     return fig
 
 

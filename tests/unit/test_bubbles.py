@@ -170,3 +170,28 @@ def test_blocked_time_per_span_kind_is_its_wall_time_off_the_cpu_per_step():
     assert got == {"backward": 10.0, "wait": 7.5, "optimizer": 5.0, "collision_wait": 0.0}
     assert list(got) == ["backward", "wait", "optimizer", "collision_wait"]
     assert blocked_by_span([]) == {}
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 8])
+def test_the_timeline_charts_legend_leaves_the_axis_label_and_the_plot_clear(ranks):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from freescale.profile.report import _plot_gantt
+
+    raw = {r: [{"step": s, "start": s * 0.1, "end": s * 0.1 + 0.08,
+                "spans": [["forward", s * 0.1, s * 0.1 + 0.03], ["backward", s * 0.1 + 0.03, s * 0.1 + 0.07]]}
+               for s in range(1, 7)] for r in range(ranks)}
+    steps = [{"rank": r, "step": s, "straggler": 0.01 * r, "start": s * 0.1, "D": 0.0, "C": 0.05, "R": 0.0}
+             for r in range(ranks) for s in range(1, 7)]
+    fig = _plot_gantt({"_raw": raw, "rank_steps": steps}, window=6)
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    renderer = fig.canvas.get_renderer()
+    legend = fig.legends[0].get_window_extent(renderer)
+    for part in (ax.xaxis.label, ax.xaxis, ax):
+        box = part.get_window_extent(renderer) if part is not ax.xaxis else part.get_tightbbox(renderer)
+        assert not legend.overlaps(box), (part, legend, box)
+    plt.close(fig)
