@@ -1,7 +1,7 @@
 """Benchmark of the transports: host_staged (SM-free proxy) against torch_dist (gloo / NCCL).
 
     .venv/bin/python scripts/bench_transport.py [--ranks 2 4] [--sizes-kib 4 64 1024 4096 16384 65536]
-        [--local-paths mapped shm_ring]
+        [--local-paths mapped shm_ring] [--repeats 3]
 
 For each rank count, in one job per rank count (real processes, gloo on loopback):
 (1) all-to-all (equal splits) and all-gather of messages from 4 KiB to 64 MiB per rank, for
@@ -19,7 +19,9 @@ For each rank count, in one job per rank count (real processes, gloo on loopback
     (``freescale.transport.sm_contention``); skipped without CUDA (``--gpu-only``: this
     section alone, which needs torch and numpy only).
 
-Prints tables and writes ``runs/bench_transport.json``.
+``--repeats N`` runs the CPU sections N times (one job per rank count each time): every cell
+is then the median over the runs and, in brackets, their range (what docs/transport.md quotes).
+Prints tables and writes ``runs/bench_transport.json`` (``worlds``: each rank count's runs).
 """
 
 from __future__ import annotations
@@ -178,6 +180,13 @@ def gpu_section(repeats: int = 3) -> dict | None:
     return result
 
 
+def spread(values: list[float], fmt: str, unit: str = "") -> str:
+    """One table cell: the median of ``values`` (one per run) and its ``unit``, and over several
+    runs their range."""
+    text = fmt.format(statistics.median(values)) + unit
+    return text if len(values) == 1 else f"{text} ({fmt.format(min(values))}-{fmt.format(max(values))})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
@@ -186,39 +195,48 @@ def main() -> None:
     parser.add_argument("--local-paths", nargs="+", default=["mapped", "shm_ring"], choices=["mapped", "shm_ring"],
                         help="host_staged's ways between ranks on one host to measure (transport.local_path)")
     parser.add_argument("--gpu-only", action="store_true", help="only the GPU section")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of the CPU sections; each cell is then the "
+                        "median over the runs and their range (default 1)")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats: expected at least 1, got {args.repeats}")
 
     staged = [f"host_staged[{p}]" for p in args.local_paths]
     result = {"worlds": {}}
     for world in ([] if args.gpu_only else _progress(args.ranks)):
-        data = run_world(world, args.sizes_kib, ["torch_dist", *staged])
-        result["worlds"][world] = data
-        by = {(r["kib"], r["transport"]): r for r in data["rows"]}
+        runs = [run_world(world, args.sizes_kib, ["torch_dist", *staged]) for _ in range(args.repeats)]
+        result["worlds"][world] = {"runs": runs}
+        by = [{(r["kib"], r["transport"]): r for r in data["rows"]} for data in runs]
         header = "| size | op | torch_dist | " + " | ".join(staged) + " | " + " | ".join(f"{s} / torch_dist" for s in staged) + " |"
         for title, cell, ratio in (
                 ("bandwidth in GB/s (bytes a rank sends / time per collective, collectives back to back), "
-                 "and its ratio to torch_dist", lambda r, op: f"{r[op + '_gbps']:.2f}",
+                 "and its ratio to torch_dist", ("{:.2f}", lambda r, op: r[op + "_gbps"]),
                  lambda ref, r, op: ref[op + "_stream_s"] / r[op + "_stream_s"]),
                 ("latency of one collective in ms, and torch_dist's latency over it",
-                 lambda r, op: f"{1e3 * r[op + '_latency_s']:.3f}",
+                 ("{:.3f}", lambda r, op: 1e3 * r[op + "_latency_s"]),
                  lambda ref, r, op: ref[op + "_latency_s"] / r[op + "_latency_s"])):
-            print(f"\n(1) {world} ranks on one host: {title}")
+            fmt, value = cell
+            print(f"\n(1) {world} ranks on one host: {title}" + (f" (median of {args.repeats} runs, and their range)"
+                                                                 if args.repeats > 1 else ""))
             print(header)
             print("|---" * (3 + 2 * len(staged)) + "|")
             for kib in args.sizes_kib:
                 for op in ("all_to_all", "all_gather"):
-                    ref = by[(kib, "torch_dist")]
                     size = f"{kib} KiB" if kib < 1024 else f"{kib // 1024} MiB"
-                    cells = [cell(r, op) for r in (ref, *(by[(kib, s)] for s in staged))]
-                    ratios = [f"{ratio(ref, by[(kib, s)], op):.2f}x" for s in staged]
+                    cells = [spread([value(b[(kib, t)], op) for b in by], fmt) for t in ("torch_dist", *staged)]
+                    ratios = [spread([ratio(b[(kib, "torch_dist")], b[(kib, s)], op) for b in by], "{:.2f}", "x")
+                              for s in staged]
                     print(f"| {size} | {op} | " + " | ".join(cells + ratios) + " |")
-        print(f"\n(2) {world} ranks: matmul loop alone {data['compute_alone_per_s']:.1f}/s; beside 20 all-to-alls "
-              f"of 4 MiB from a side thread:")
+        alone = spread([data["compute_alone_per_s"] for data in runs], "{:.1f}")
+        print(f"\n(2) {world} ranks: matmul loop alone {alone}/s; beside 20 all-to-alls of 4 MiB from a side thread:")
         print("| transport | matmuls/s meanwhile | slowdown | ms per all-to-all | compute ms lost per all-to-all |")
         print("|---|---|---|---|---|")
-        for kind, o in data["overlap"].items():
-            print(f"| {kind} | {o['matmuls_per_s']:.1f} | {o['slowdown']:.3f}x | {1e3 * o['all_to_all_s']:.1f} | "
-                  f"{1e3 * o['compute_lost_s']:.2f} |")
+        for kind in runs[0]["overlap"]:
+            o = [data["overlap"][kind] for data in runs]
+            print(f"| {kind} | {spread([x['matmuls_per_s'] for x in o], '{:.1f}')} | "
+                  f"{spread([x['slowdown'] for x in o], '{:.3f}', 'x')} | "
+                  f"{spread([1e3 * x['all_to_all_s'] for x in o], '{:.1f}')} | "
+                  f"{spread([1e3 * x['compute_lost_s'] for x in o], '{:.2f}')} |")
     result["gpu"] = gpu_section()
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     write_json_atomic(args.out, result)
