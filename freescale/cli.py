@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from freescale.config import TOP_LEVEL_KEYS, ConfigError, describe, dump_yaml, load_config
@@ -293,6 +294,7 @@ def _launch(nproc: int, argv: list[str]) -> None:
         _fail(f"--nproc: expected a value >= 1, got {nproc}")
     if os.environ.get("TORCHELASTIC_RUN_ID"):
         _fail("--nproc: this is already a rank of a torchrun job (drop --nproc under torchrun)")
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
@@ -308,6 +310,9 @@ def _launch(nproc: int, argv: list[str]) -> None:
             sys.exit(failure.exitcode)
         print(f"freescale: error: rank {rank} ended by signal {-failure.exitcode} (pid {failure.pid})", file=sys.stderr)
         sys.exit(EXIT_FAILED)
+    except SignalException as e:  # (torchrun's agent stopped the ranks first)
+        print(f"freescale: stopped by {signal.Signals(e.sigval).name}, and the ranks with it", file=sys.stderr)
+        sys.exit(128 + int(e.sigval))
 
 
 def _without_nproc(argv: list[str]) -> list[str]:

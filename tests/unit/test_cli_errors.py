@@ -211,3 +211,28 @@ def test_under_plain_torchrun_a_config_error_is_said_once_not_per_rank():
     assert proc.returncode != 0
     said = [line for line in proc.stderr.splitlines() if line.startswith("freescale: error: ")]
     assert said == ["freescale: error: unknown config key 'train.stpes' (did you mean 'train.steps'?)"], proc.stderr
+
+
+def test_a_sigterm_to_freescale_train_nproc_stops_its_ranks_and_says_so_in_one_line(tmp_path):
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "freescale", "train", "--nproc", "2", "--config", str(QUICKSTART),
+                             f"--run.dir={run_dir}", "--run.log_every=1"], cwd=REPO, env=_plain_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:  # (the ranks train)
+            time.sleep(0.2)
+        assert (run_dir / "metrics.jsonl").exists()
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert err.strip().splitlines()[-1] == "freescale: stopped by SIGTERM, and the ranks with it", err[-2000:]
+    assert "Traceback" not in err, err[-2000:]
+    left = subprocess.run(["pgrep", "-f", f"--run.dir={run_dir}"], capture_output=True, text=True).stdout.split()
+    assert left == [], left  # no rank outlives the command
