@@ -45,6 +45,25 @@ def _peer_state(replicas: int, replica: int, *, step: int, positions: list[int],
 BATCH = SimpleNamespace(batch_index=0)
 
 
+def _on_two_ranks(rank) -> dict:
+    """``rank(r)`` for the two ranks of a group, a thread each (they meet in the group's
+    collectives); their results by rank, an exception of either raised here."""
+    results, errors = {}, []
+
+    def run(r):
+        try:
+            results[r] = rank(r)
+        except BaseException as e:  # (reported by the main thread)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(60) for t in threads]
+    assert not errors, errors
+    assert len(results) == 2, "a rank did not finish"
+    return results
+
+
 # The commit --------------------------------------------------------------------------------
 
 def test_a_committed_step_averages_the_gradients_applies_the_rows_and_records_the_peers_cursors(tmp_path):
@@ -226,25 +245,18 @@ def test_sqrt_scaling_steps_with_the_learning_rate_times_the_root_of_the_partici
 
 def test_ranks_of_a_group_that_disagree_fail_the_step_and_the_end_of_the_run(tmp_path):
     store = dist.HashStore()
-    results, errors = {}, []
 
     def rank(r):
-        try:
-            t = make_layer(run_dir=tmp_path / f"rank{r}", quorums=[Quorum(participants=1)] * 2,
-                           group=group_of_ranks(r, 2, store), rank=r)
-            t.manager._step = 5 if r else 0  # rank 1 holds another torchft step
-            results[r] = [_step(t, [], BATCH, grad=1.0, value=0.0), str(t.manager.errored())]
-            t.state.parts["data"].positions[0] = 4 + r  # (the failed vote put torchft's step back)
-            with pytest.raises(RuntimeError) as raised:
-                t.layer.check_group("the end of the run")
-            results[r].append(str(raised.value))
-        except BaseException as e:  # (reported by the main thread)
-            errors.append(e)
+        t = make_layer(run_dir=tmp_path / f"rank{r}", quorums=[Quorum(participants=1)] * 2,
+                       group=group_of_ranks(r, 2, store), rank=r)
+        t.manager._step = 5 if r else 0  # rank 1 holds another torchft step
+        result = [_step(t, [], BATCH, grad=1.0, value=0.0), str(t.manager.errored())]
+        t.state.parts["data"].positions[0] = 4 + r  # (the failed vote put torchft's step back)
+        with pytest.raises(RuntimeError) as raised:
+            t.layer.check_group("the end of the run")
+        return [*result, str(raised.value)]
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    [t.start() for t in threads]
-    [t.join(60) for t in threads]
-    assert not errors, errors
+    results = _on_two_ranks(rank)
     for r in range(2):
         vote, error, raised = results[r]
         assert vote == Vote(stepped=False, trained=False)
@@ -336,25 +348,17 @@ def test_joining_ranks_decide_alike_when_one_ranks_fetch_failed(tmp_path):
     # catches up: the group's ranks decide on the quorum's furthest step as the group sees it.
     store = dist.HashStore()
     state = _peer_state(2, 0, step=9, positions=[0, 20], fill=7.0)
-    results, errors = {}, []
 
     def rank(r):
-        try:
-            first = Quorum(participating=False, peer_step=9, peer_state=state, peers=[Peer(1, cursor_after=21)],
-                           step_moved=bool(r), error=None if r else RuntimeError("fetching the peer's state failed"))
-            again = Quorum(participating=False, peer_step=9, peer_state=state, peers=[Peer(1, cursor_after=21)])
-            t = make_layer(run_dir=tmp_path, quorums=[first, again], group=group_of_ranks(r, 2, store), rank=r)
-            loaded = []
-            t.layer.join(Restore(step=7, load=lambda: loaded.append(r)))
-            results[r] = (loaded, t.state.parts["trainer"].step, t.manager.votes)
-        except BaseException as e:  # (reported by the main thread)
-            errors.append(e)
+        first = Quorum(participating=False, peer_step=9, peer_state=state, peers=[Peer(1, cursor_after=21)],
+                       step_moved=bool(r), error=None if r else RuntimeError("fetching the peer's state failed"))
+        again = Quorum(participating=False, peer_step=9, peer_state=state, peers=[Peer(1, cursor_after=21)])
+        t = make_layer(run_dir=tmp_path, quorums=[first, again], group=group_of_ranks(r, 2, store), rank=r)
+        loaded = []
+        t.layer.join(Restore(step=7, load=lambda: loaded.append(r)))
+        return loaded, t.state.parts["trainer"].step, t.manager.votes
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-    [t.start() for t in threads]
-    [t.join(60) for t in threads]
-    assert not errors, errors
-    assert results == {r: ([], 10, [False, True]) for r in range(2)}
+    assert _on_two_ranks(rank) == {r: ([], 10, [False, True]) for r in range(2)}
 
 
 def test_a_group_vetoing_the_step_fails_it_in_every_group_in_the_step(tmp_path):
