@@ -305,7 +305,10 @@ def _launch(nproc: int, argv: list[str]) -> None:
     try:
         run(get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "freescale", *ranks]))
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items())
+        # A rank that exited with a status said why; the others may then have been stopped by
+        # torchrun's signal, and a stopped rank can sort first.
+        said = {rank: f for rank, f in e.failures.items() if f.exitcode > 0}
+        rank, failure = min((said or e.failures).items())
         if failure.exitcode > 0:  # (the rank printed its error)
             sys.exit(failure.exitcode)
         print(f"freescale: error: rank {rank} ended by signal {-failure.exitcode} (pid {failure.pid})", file=sys.stderr)

@@ -236,3 +236,30 @@ def test_a_sigterm_to_freescale_train_nproc_stops_its_ranks_and_says_so_in_one_l
     assert "Traceback" not in err, err[-2000:]
     left = subprocess.run(["pgrep", "-f", f"--run.dir={run_dir}"], capture_output=True, text=True).stdout.split()
     assert left == [], left  # no rank outlives the command
+
+
+@pytest.mark.parametrize("failures, status, said", [
+    # Rank 1 found the bad data and exited 2; torchrun then stopped rank 0 with SIGTERM before
+    # rank 0 exited with its own 2. The command exits with the status a rank gave, in silence.
+    ({0: -15, 1: 2}, 2, ""),
+    ({0: 2, 1: -15}, 2, ""),
+    # No rank exited with a status: the lowest rank's signal is named.
+    ({0: -9, 1: -15}, 1, "freescale: error: rank 0 ended by signal 9 (pid 100)\n"),
+])
+def test_launch_exits_with_the_status_a_rank_gave_even_when_a_stopped_rank_sorts_first(
+        monkeypatch, capsys, failures, status, said):
+    import torch.distributed.run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from freescale import cli
+
+    def run(_args):
+        raise ChildFailedError("freescale", {rank: ProcessFailure(rank, 100 + rank, code, "<none>")
+                                             for rank, code in failures.items()})
+
+    monkeypatch.setattr(torch.distributed.run, "run", run)
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    with pytest.raises(SystemExit) as stop:
+        cli._launch(2, ["train", "--nproc", "2", "--config", str(QUICKSTART)])
+    assert stop.value.code == status
+    assert capsys.readouterr().err == said
