@@ -45,12 +45,28 @@ def _entry(rank, world, port, fn, args, errors):
     os._exit(0)
 
 
+PRELOAD = ["torch", "torch.distributed", "torchrec", "freescale.train.trainer"]
+"""What the fork server imports once; each rank is forked from it with these in memory instead of
+importing them again (seconds of CPU per rank). The server is a fresh process that does nothing
+but import: no thread, no process group to inherit."""
+
+_context = None
+
+
+def _ranks_context():
+    global _context
+    if _context is None:
+        _context = mp.get_context("forkserver")
+        _context.set_forkserver_preload(PRELOAD)
+    return _context
+
+
 def run_ranks(world: int, fn, *args, timeout_s: float = 300) -> None:
     """Call ``fn(rank, world, *args)`` on ``world`` processes; re-raise the first failure.
 
     Ranks still running after ``timeout_s`` (all together) are killed and fail the call.
     """
-    ctx = mp.get_context("spawn")
+    ctx = _ranks_context()
     errors = ctx.SimpleQueue()
     port = _free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, errors)) for r in range(world)]
