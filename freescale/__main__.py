@@ -1,4 +1,4 @@
-from freescale.cli import main
+from freescale.cli import run
 
 if __name__ == "__main__":
-    main()
+    run()
