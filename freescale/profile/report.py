@@ -20,17 +20,13 @@ import html
 import json
 import os
 
-import matplotlib
+import numpy as np
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-
-from freescale.io import write_text_atomic  # noqa: E402
-from freescale.profile.bubbles import as_rows, blocked_by_span, decompose, summarize  # noqa: E402
-from freescale.profile.mfu import mfu  # noqa: E402
-from freescale.profile.peak import PEAK_FILE  # noqa: E402
-from freescale.profile.timeline import read_timelines  # noqa: E402
+from freescale.io import write_text_atomic
+from freescale.profile.bubbles import as_rows, blocked_by_span, decompose, summarize
+from freescale.profile.mfu import mfu
+from freescale.profile.peak import PEAK_FILE
+from freescale.profile.timeline import read_timelines
 
 REPORT_DIR = "report"
 PHASE_COLORS = {
@@ -162,7 +158,19 @@ _COMPARED = ["step_ms", "compute_ms_per_step", "bubble_fraction", "straggler_pct
 # Plots -------------------------------------------------------------------------------------
 
 
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend, imported when a report is drawn (once a run ends,
+    on its rank 0), not by every rank that imports the trainer: about a second of CPU each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _plot_gantt(data: dict, window: int):
+    plt = _pyplot()
     raw = data["_raw"]
     ranks = sorted(raw)
     common = sorted(set.intersection(*({r["step"] for r in raw[k]} for k in ranks)))
@@ -198,6 +206,7 @@ def _plot_gantt(data: dict, window: int):
 
 
 def _plot_breakdown(per_rank: list[dict], title: str):
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(5, 1.2 * len(per_rank) + 3), 4))
     ranks = [p["rank"] for p in per_rank]
     bottom = np.zeros(len(ranks))
@@ -221,6 +230,7 @@ def _kept(data: dict) -> list[dict]:
 
 
 def _plot_straggler_hist(data: dict):
+    plt = _pyplot()
     rows = _kept(data)
     fig, ax = plt.subplots(figsize=(7, 4))
     values = {r: [1000 * s["straggler"] for s in rows if s["rank"] == r] for r in sorted({s["rank"] for s in rows})}
@@ -232,6 +242,7 @@ def _plot_straggler_hist(data: dict):
 
 
 def _plot_compute_vs_workload(data: dict):
+    plt = _pyplot()
     rows = _kept(data)
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, r in enumerate(sorted({s["rank"] for s in rows})):
@@ -371,6 +382,7 @@ def _configured_warmup(run_dir: str) -> int:
 
 
 def _save_fig(fig, path: str) -> None:
+    plt = _pyplot()
     tmp = f"{path}.tmp.png"
     fig.savefig(tmp, dpi=110)
     plt.close(fig)
