@@ -26,7 +26,7 @@ TORCHREC_DEPS=(pyre-extensions tensordict "torchmetrics==1.0.3" tqdm)
 # tensorboard: run.tensorboard's event files (and the tests that read them back); 2.21 accepts
 # the protobuf 7 and numpy 2 the rest of the stack installs. pyarrow: the Parquet sample files
 # (freescale.data.sample_files); duckdb: `freescale prepare`'s out-of-core engine.
-TOOLS=(numpy pyyaml matplotlib pytest pytest-timeout hypothesis "tensorboard==2.21.0" "pyarrow==26.0.1" "duckdb==2.0.1")
+TOOLS=(numpy pyyaml matplotlib pytest pytest-timeout pytest-xdist hypothesis "tensorboard==2.21.0" "pyarrow==26.0.1" "duckdb==2.0.1")
 # torchx: the cluster launcher of the replica groups (freescale/torchx.py, docs/cluster.md).
 # Installed with --no-deps like TorchRec: it pins urllib3<1.27 (for its docker scheduler, which
 # needs the docker package too), and would downgrade the urllib3 2 the rest of the stack has;
