@@ -25,6 +25,7 @@ import argparse
 import os
 import signal
 import sys
+import time
 
 from freescale.config import TOP_LEVEL_KEYS, ConfigError, describe, dump_yaml, load_config
 from freescale.errors import first_line
@@ -278,10 +279,19 @@ def _fail(message: str) -> None:
 
 def _fail_once(message: str) -> None:
     """``_fail`` for an error every rank of a torchrun job finds alike (the config's): rank 0
-    says it, the others exit with the same status."""
+    says it, the others exit with the same status.
+
+    Under torchrun's agent the others wait to be stopped (up to ``_SAID_WAIT_S``): a rank that
+    exited first would have the agent stop rank 0, which may start later on a busy machine,
+    before it said anything. Rank 0's exit has the agent stop them."""
     if int(os.environ.get("RANK") or 0) != 0:
+        if os.environ.get("TORCHELASTIC_RUN_ID"):
+            time.sleep(_SAID_WAIT_S)
         sys.exit(EXIT_USAGE)
     _fail(message)
+
+
+_SAID_WAIT_S = 60.0
 
 
 def _launch(nproc: int, argv: list[str]) -> None:

@@ -213,6 +213,28 @@ def test_under_plain_torchrun_a_config_error_is_said_once_not_per_rank():
     assert said == ["freescale: error: unknown config key 'train.stpes' (did you mean 'train.steps'?)"], proc.stderr
 
 
+def test_under_plain_torchrun_a_late_rank_0_still_says_the_config_error(tmp_path):
+    import time
+
+    from freescale import cli
+
+    # Rank 0 starts 3 s after rank 1 (as on a busy machine): rank 1, which finds the error first,
+    # waits to be stopped; exiting at once, it had torchrun stop rank 0 before rank 0 said
+    # anything.
+    (tmp_path / "sitecustomize.py").write_text("import os, time\nif os.environ.get('RANK') == '0':\n"
+                                               "    time.sleep(3)\n")
+    env = {**_plain_env(), "PYTHONPATH": os.pathsep.join([str(tmp_path), str(REPO)]), "OMP_NUM_THREADS": "1"}
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "freescale", "train", "--config", str(QUICKSTART), "--train.stpes=10"], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    # Rank 1 was stopped by torchrun once rank 0 exited, not at the end of its wait.
+    assert time.monotonic() - started < cli._SAID_WAIT_S
+    said = [line for line in proc.stderr.splitlines() if line.startswith("freescale: error: ")]
+    assert said == ["freescale: error: unknown config key 'train.stpes' (did you mean 'train.steps'?)"], proc.stderr
+
+
 def test_a_sigterm_to_freescale_train_nproc_stops_its_ranks_and_says_so_in_one_line(tmp_path):
     import signal
     import time
