@@ -59,7 +59,10 @@ def test_injected_straggler_is_measured_and_compared(tmp_path):
 
     even = profiled_run(tmp_path, "even", "--profile.trace_steps=[5,6]")
     _, ranks = typical_step(even)
-    assert ranks[0]["straggler"] < 20.0 and ranks[1]["straggler"] < 20.0, ranks
+    # No straggler of the injected size: a quarter of it at most. (Not zero: beside other work,
+    # as under two test workers, one rank can wait for a core and the other for it, e.g. R 14 ms
+    # and a 22 ms bubble.)
+    assert ranks[0]["straggler"] < 50.0 and ranks[1]["straggler"] < 50.0, ranks
     for rank in (0, 1):
         trace = json.loads((even / "profile" / f"trace_rank{rank}.json").read_text())
         names = {e.get("name") for e in trace["traceEvents"]}
