@@ -160,7 +160,7 @@ _COMPARED = ["step_ms", "compute_ms_per_step", "bubble_fraction", "straggler_pct
 
 def _pyplot():
     """matplotlib's pyplot on the Agg backend, imported when a report is drawn (once a run ends,
-    on its rank 0), not by every rank that imports the trainer: about a second of CPU each."""
+    on its rank 0), not by every rank that imports the trainer: about half a second of CPU each."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -195,3 +195,15 @@ def test_the_timeline_charts_legend_leaves_the_axis_label_and_the_plot_clear(ran
         box = part.get_window_extent(renderer) if part is not ax.xaxis else part.get_tightbbox(renderer)
         assert not legend.overlaps(box), (part, legend, box)
     plt.close(fig)
+
+
+def test_a_rank_that_imports_the_trainer_does_not_import_matplotlib():
+    # Only rank 0 draws the report, once the run ends; the import is half a second per rank.
+    import subprocess
+    import sys
+
+    from helpers.launch import REPO
+
+    code = "import sys, freescale.train.trainer; print('matplotlib' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
