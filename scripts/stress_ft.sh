@@ -2,8 +2,8 @@
 # The replica-layer tests N times with a CPU-bound process on every core beside them, as on a
 # busy CI machine; prints each run's result and the pass count, keeps each run's log.
 #
-#   scripts/stress_ft.sh [N] [pytest args...]     (default: 10 runs of tests/dist/test_ft.py and
-#                                                  tests/dist/test_group_check.py: 10-13 min a run on
+#   scripts/stress_ft.sh [N] [pytest args...]     (default: 10 runs of tests/dist/test_ft.py,
+#                                                  test_ft_votes.py and test_group_check.py: 10-13 min a run on
 #                                                  2 cores, about two hours for the 10)
 #
 # Exits 0 only if every run passed. Logs: runs/stress_ft/run<i>.log.
@@ -13,7 +13,7 @@ cd "$root"
 runs="${1:-10}"
 shift $(( $# > 0 ? 1 : 0 ))
 tests=("$@")
-[ ${#tests[@]} -gt 0 ] || tests=(tests/dist/test_ft.py tests/dist/test_group_check.py)
+[ ${#tests[@]} -gt 0 ] || tests=(tests/dist/test_ft.py tests/dist/test_ft_votes.py tests/dist/test_group_check.py)
 python="$root/.venv/bin/python"
 [ -x "$python" ] || { echo "stress_ft: no .venv here; run scripts/setup.sh first" >&2; exit 2; }
 logs="$root/runs/stress_ft"

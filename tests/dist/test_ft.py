@@ -1,160 +1,23 @@
-"""The replica layer end to end: `freescale local` starts a lighthouse and replica groups of
-torchrun ranks, injects faults, kills and restarts them; the groups must agree (dense state and
-tables bitwise, at every checkpoint they both took after a rejoin, not only at the end), every
-sample of every shard must be trained once, and the run must reach its last step."""
+"""The replica layer through crashes and hangs, end to end: `freescale local` starts a
+lighthouse and replica groups of torchrun ranks, kills, stops and restarts them; the groups must
+agree (dense state and tables bitwise, at every checkpoint they both took after a rejoin, not
+only at the end), every sample of every shard must be trained once, the survivors must go on at
+once, and the run must reach its last step. (Votes against a step: `test_ft_votes.py`.)"""
 
 import datetime
-import json
 import os
 import re
 import signal
 import time
-from collections import Counter
-from pathlib import Path
 
 import pytest
-import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from freescale.local import descendants
-from helpers.launch import REPO, check, freescale, start_freescale, torchrun, train_losses
+from helpers.ft_runs import (EVERY_7, FT_LOCAL, assert_commit_soon_after, assert_exactly_once,
+                             assert_groups_agree, assert_kept_committing, commits, local, logs, running)
+from helpers.launch import check, start_freescale
 
 pytestmark = pytest.mark.slow
-
-FT_LOCAL = str(REPO / "configs" / "ft_local.yaml")
-BATCH_SIZE = 16  # configs/ft_local.yaml's data.batch_size, which no test here changes
-# A checkpoint every 7 steps: none of them is a step the TorchRec tables' sync falls on by its
-# own schedule (every 10), and every group keeps them all to be compared.
-EVERY_7 = ["--checkpoint.every=7", "--checkpoint.keep=1000", "--ft.embedding_sync_every=10"]
-
-
-def local(run: Path, *args: str, timeout: float = 900):
-    proc = freescale("local", "--config", FT_LOCAL, f"--run.dir={run}", *args, timeout=timeout)
-    summary_path = run / "local_summary.json"
-    summary = json.loads(summary_path.read_text()) if summary_path.exists() else None
-    return proc, summary
-
-
-def load_checkpoint(step_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    """A checkpoint, flattened to dotted keys."""
-    out = tmp / f"{step_dir.parent.parent.parent.name}-{step_dir.parent.parent.name}-{step_dir.name}.pt"
-    dcp_to_torch_save(str(step_dir), str(out))
-    flat = {}
-
-    def walk(d, prefix=""):
-        for k, v in d.items():
-            if isinstance(v, dict):
-                walk(v, f"{prefix}{k}.")
-            elif isinstance(v, torch.Tensor):
-                flat[prefix + k] = v
-
-    walk(torch.load(out, weights_only=False))
-    return flat
-
-
-def final_state(replica_dir: Path, tmp: Path) -> dict[str, torch.Tensor]:
-    return load_checkpoint(sorted((replica_dir / "checkpoints").iterdir())[-1], tmp)
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-
-
-def differing(a: dict, b: dict, prefix: str) -> list[str]:
-    keys = [k for k in a if k.startswith(prefix) and k != "data.next_batch"]  # each group's own position
-    assert keys and keys == [k for k in b if k.startswith(prefix) and k != "data.next_batch"]
-    return [k for k in keys if not bitwise_equal(a[k], b[k])]
-
-
-def assert_groups_agree(run: Path, replicas: int, tmp: Path, since: float = 0.0) -> int:
-    """Dense weights and optimizer state, embedding rows and their optimizer state, every group's
-    data cursor: bitwise the same in every group at the first three checkpoint steps they all
-    hold that were written after ``since`` (a time), and at the last; how many steps they share."""
-    steps = None
-    for r in range(replicas):
-        mine = {p.name for p in (run / f"replica{r}" / "checkpoints").iterdir()
-                if p.name.startswith("step_") and p.stat().st_mtime > since}
-        steps = mine if steps is None else steps & mine
-    assert steps, "no checkpoint step every group holds"
-    shared = sorted(steps)
-    for step in sorted(set(shared[:3] + shared[-1:])):
-        states = [load_checkpoint(run / f"replica{r}" / "checkpoints" / step, tmp) for r in range(replicas)]
-        assert any(k.startswith("model.") and not k.startswith("model.task.") for k in states[0])  # the tables
-        for r in range(1, replicas):
-            assert differing(states[0], states[r], "") == [], f"replica {r} differs from replica 0 at {step}"
-    return len(shared)
-
-
-def synthetic_batch(global_batch: int):
-    """The sample ids of a global batch of the synthetic stream, whose ids are its positions."""
-    return lambda k: range(k * global_batch, (k + 1) * global_batch)
-
-
-def assert_exactly_once(run: Path, summary: dict, steps: int, batch_ids=None) -> None:
-    """Read here from the files every group wrote (its ledgers and its data cursor), not taken
-    from the launcher: every batch of every group's shard before its cursor trained once across
-    its ranks, each sample of it once (``batch_ids(k)``: the ids global batch ``k`` holds; by
-    default the synthetic stream's), nothing else trained, every group at the last step. Then the
-    launcher's ledger check must say the same."""
-    replicas, nproc = summary["replicas"], summary["ranks_per_replica"]
-    batch_ids = batch_ids or synthetic_batch(BATCH_SIZE * nproc)
-    batches = 0
-    for g in range(replicas):
-        folder = run / f"replica{g}"
-        cursor = json.loads((folder / "ft_cursor.json").read_text())
-        assert cursor["step"] == steps, (g, cursor)
-        mine = [p * replicas + g for p in range(cursor["next_batch"])]  # its shard, from the start
-        trained = {}
-        for path in sorted((folder / "ledger").glob("*.jsonl")):
-            for record in map(json.loads, path.read_text().splitlines()):
-                trained.setdefault(record["batch"], Counter()).update(record["sample_ids"])
-        assert sorted(trained) == mine, (g, sorted(set(trained) ^ set(mine))[:10])
-        for k in mine:
-            assert trained[k] == Counter(batch_ids(k)), (g, k, trained[k] - Counter(batch_ids(k)),
-                                                         Counter(batch_ids(k)) - trained[k])
-        batches += len(mine)
-    assert summary["ledger"] == {"samples_lost": 0, "samples_repeated": 0, "unexpected": 0, "unfinished": [],
-                                 "complete": True, "batches": batches}, summary["ledger"]
-    for g in summary["groups"]:
-        assert g["exit_code"] == 0 and g["last_step"] == steps, g
-
-
-def commits(run: Path, replica: int) -> list[dict]:
-    path = run / f"replica{replica}" / "ft_commits.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()]
-
-
-def logs(run: Path, replica: int) -> str:
-    return "".join(p.read_text() for p in sorted((run / f"replica{replica}" / "logs").iterdir()))
-
-
-def failure_lines(run: Path, groups: list[int]) -> str:
-    return "\n".join(line[:300] for g in groups for line in logs(run, g).splitlines()
-                     if re.search(r"collective failed|giving up|not committed", line))
-
-
-def assert_commit_soon_after(run: Path, groups: list[int], failed_at: float, step: int, within_s: float = 2.0) -> None:
-    """Every group in ``groups`` committed a step within ``within_s`` of a failure, and once
-    each step (``step``, the failed one, included)."""
-    for g in groups:
-        after = [c["time"] - failed_at for c in commits(run, g) if c["time"] > failed_at]
-        assert after and after[0] <= within_s, (f"replica {g}: first commit {after[:1]} s after the failure; "
-                                                f"what the groups logged of it:\n{failure_lines(run, groups)}")
-        steps = [c["step"] for c in commits(run, g)]
-        assert steps == sorted(set(steps)) and step in steps
-
-
-def assert_kept_committing(run: Path, summary: dict, down: int) -> None:
-    """While group ``down`` was away, every other group committed steps, and ``down`` trained
-    again after every failure."""
-    for failure in summary["groups"][down]["failures"]:
-        assert failure["rejoined_at"] is not None, failure
-        for g in summary["groups"]:
-            if g["replica"] != down:
-                during = [c for c in commits(run, g["replica"]) if failure["down_at"] < c["time"] < failure["rejoined_at"]]
-                assert during, f"replica {g['replica']} committed nothing while replica {down} was down"
-    last = commits(run, down)[-1]
-    assert last["trained"] and last["step"] == summary["steps"]
 
 
 @pytest.mark.parametrize("pipeline, extra", [("sparse_dist", ["--balance.enable=true"]), ("sync", [])])
@@ -296,165 +159,6 @@ def test_every_group_killed_at_once_resumes_from_the_newest_checkpoint(tmp_path)
     assert_groups_agree(run, 2, tmp_path, since=min(g["failures"][0]["down_at"] for g in summary["groups"]))
 
 
-def test_an_injected_commit_failure_leaves_no_trace(tmp_path):
-    # Both groups vote against steps 4 and 10 (a sync step of TorchRec's tables, every 5 here):
-    # the rows the fused optimizer wrote in those steps go back, the dense step is skipped, and
-    # the same batches are trained again. The run must end bitwise equal to the clean one
-    # (min_replicas 2: every step has both groups).
-    args = ["--replicas", "2", "--nproc", "1", "--train.steps=12", "--checkpoint.at_end=true",
-            "--ft.min_replicas=2", "--ft.embedding_sync_every=5", "--run.log_every=1"]
-    # The prioritized pipeline under the same failures must end bitwise like the clean
-    # synchronous run too: its rollback covers the deferred rows, its replay the staged batches.
-    # TorchRec's sparse-dist pipeline, whose tables are TorchRec's, against its own clean run.
-    for pipeline, reference in (("sync", "sync"), ("prioritized", "sync"), ("sparse_dist", "sparse_dist")):
-        clean = tmp_path / f"clean-{reference}"
-        if not clean.exists():
-            check(local(clean, *args, f"--train.pipeline={reference}")[0])
-        failed = tmp_path / f"failed-{pipeline}"
-        proc, summary = local(failed, *args, "--fault.fail_commit_at=[4,10]", f"--train.pipeline={pipeline}")
-        check(proc)
-        for r in range(2):
-            log = (failed / f"replica{r}" / "logs" / f"replica{r}-rank0.log").read_text()
-            assert "step 4 not committed" in log and "step 10 not committed" in log
-            assert train_losses(clean / f"replica{r}") == train_losses(failed / f"replica{r}")
-            ref, got = final_state(clean / f"replica{r}", tmp_path), final_state(failed / f"replica{r}", tmp_path)
-            assert differing(ref, got, "") == [], pipeline
-        assert_exactly_once(failed, summary, 12)
-
-
-def test_pec_under_the_layer_trains_as_sparse_dist_through_rollbacks_and_a_catch_up(tmp_path):
-    # TorchRec's PEC pipeline under the replica layer against TorchRec's sparse-dist pipeline
-    # under the same faults, two groups of two ranks: both groups vote against step 4 (the next
-    # batch's rows were looked up ahead: batch 4, trained again, writes none of them) and step
-    # 10 (a sync step of the tables, every 5 here: they are looked up after its vote); group 1
-    # votes against step 12 after the peers committed it, then catches up from group 0 (its
-    # tables rewritten: the rows it looked up ahead are read again). Every loss of both groups,
-    # and their final states, bitwise the same as sparse_dist's.
-    args = ["--replicas", "2", "--nproc", "2", "--train.steps=16", "--checkpoint.at_end=true", "--ft.min_replicas=2",
-            "--ft.embedding_sync_every=5", "--run.log_every=1", "--fault.fail_commit_at=[4,10]",
-            "--faults=[{fail_commit_at: [12], replicas: [1]}]"]
-    runs = {}
-    for pipeline in ("sparse_dist", "pec"):
-        runs[pipeline] = tmp_path / pipeline
-        proc, summary = local(runs[pipeline], *args, f"--train.pipeline={pipeline}")
-        check(proc)
-        assert_exactly_once(runs[pipeline], summary, 16)
-    group1 = logs(runs["pec"], 1)
-    assert "step 4 not committed" in group1 and "step 10 not committed" in group1
-    assert "step 12 not committed" in group1 and "caught up with a peer at step" in group1
-    for r in range(2):
-        losses = train_losses(runs["pec"] / f"replica{r}")
-        assert sorted(losses) == [step for step in range(1, 17) if r == 0 or step != 12]  # group 1's step 12: group 0's
-        assert losses == train_losses(runs["sparse_dist"] / f"replica{r}"), r
-        ref = final_state(runs["sparse_dist"] / f"replica{r}", tmp_path)
-        # (PEC's module holds the item table's collection one level deeper)
-        got = {k.replace("._embedding_collection", ""): v
-               for k, v in final_state(runs["pec"] / f"replica{r}", tmp_path).items()}
-        assert differing(ref, got, "") == [], r
-
-
-def test_a_vote_lost_after_the_peers_committed_does_not_train_the_batch_again(tmp_path):
-    # Group 1 votes against step 10 after every collective of the step went through: group 0
-    # commits it with group 1's batch in. Group 1 is then a step behind, catches up from group 0,
-    # and takes from its state that its batch is trained: it goes on to the next one.
-    # The prioritized pipeline under the same fault must end bitwise as the synchronous one: it
-    # read the next batch's rows before the vote that rewrote its tables with the peer's, so it
-    # must read them again.
-    runs = {}
-    for pipeline in ("sync", "prioritized"):
-        run = runs[pipeline] = tmp_path / pipeline
-        proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--train.steps=30", "--checkpoint.at_end=true",
-                              "--ft.min_replicas=2", "--run.log_every=1", f"--train.pipeline={pipeline}",
-                              "--fault.fail_commit_at=[10]", "--fault.replicas=[1]")
-        check(proc)
-        assert "step 10 not committed (injected commit failure at step 10)" in logs(run, 1)
-        assert "caught up with a peer at step 10" in logs(run, 1) and "not committed" not in logs(run, 0)
-        # Group 1 commits step 11 with the peers' state, its step-10 batch counted in: it trains the
-        # next one at step 12.
-        group1 = commits(run, 1)
-        assert [c["step"] for c in group1] == [*range(1, 10), *range(11, 31)] and all(c["trained"] for c in group1)
-        cursor = {c["step"]: c["next_batch"] for c in group1}
-        assert (cursor[9], cursor[11], cursor[12], cursor[30]) == (9, 10, 11, 29)
-        assert_exactly_once(run, summary, 30)
-        assert_groups_agree(run, 2, tmp_path)
-    for r in range(2):
-        reference, got = (runs[p] / f"replica{r}" for p in ("sync", "prioritized"))
-        assert train_losses(got) == train_losses(reference), r
-        assert differing(final_state(reference, tmp_path), final_state(got, tmp_path), "") == [], r
-
-
-def test_a_group_that_dies_at_its_vote_leaves_its_batch_counted_once(tmp_path):
-    # Group 1's process ends as it casts its step-10 vote, after every collective of the step:
-    # group 0 commits step 10 with group 1's batch in. The batch is in the model, so group 1's
-    # ledger must hold it although the group never saw the commit, and the group, restarted,
-    # catches up and goes on with the next batch.
-    run = tmp_path / "run"
-    proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--train.steps=30", "--checkpoint.at_end=true",
-                          "--ft.min_replicas=2", "--fault.at_step=10", "--fault.during=vote", "--fault.kind=exit",
-                          "--fault.replicas=[1]")
-    check(proc)
-    assert [f["at_step"] for f in summary["groups"][1]["failures"]] == [9]
-    assert [c["step"] for c in commits(run, 0)] == list(range(1, 31))
-    group1 = {c["step"]: c["next_batch"] for c in commits(run, 1)}
-    assert group1[9] == 9 and 10 not in group1 and group1[30] == 29  # its step-10 batch is trained once
-    assert_exactly_once(run, summary, 30)
-    assert_groups_agree(run, 2, tmp_path)
-
-
-def test_two_groups_of_own_tables_train_like_one_job_with_twice_the_batch(tmp_path):
-    # Two groups of one rank, each with its own batch of 16, sum every step's row gradients
-    # across the groups: that is one synchronous job of two ranks on the same samples (its
-    # global batch k holds the groups' batches 2k and 2k+1), up to the order of float additions.
-    # (min_replicas 2: no step without both groups, which one job never has.) After 40 steps the
-    # tables are within 4e-6 of the job's; a few dense biases differ by up to 6e-5, Adam's
-    # normalized step making much of the last-bit differences of near-zero gradients.
-    steps = ["--train.steps=40", "--checkpoint.at_end=true", "--checkpoint.every=0"]
-    groups = tmp_path / "groups"
-    proc, summary = local(groups, "--replicas", "2", "--nproc", "1", "--ft.min_replicas=2", *steps)
-    check(proc)
-    one = tmp_path / "one"
-    check(torchrun(2, "train", "--config", FT_LOCAL, "--ft.enable=false", *steps, f"--run.dir={one}"))
-    reference = final_state(one, tmp_path)
-    for r in range(2):
-        got = final_state(groups / f"replica{r}", tmp_path)
-        model = [k for k in reference if k.startswith(("model.", "optimizer."))]
-        assert model and all(k in got for k in model)
-        for key in model:
-            torch.testing.assert_close(got[key], reference[key], rtol=1e-3, atol=1e-4, msg=key)
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def test_a_terminated_launcher_leaves_no_process_behind(tmp_path):
-    # SIGTERM (a job scheduler's stop, `timeout`) to `freescale local` while its groups train:
-    # every torchrun agent and rank goes with it.
-    run = tmp_path / "run"
-    proc = start_freescale("local", "--config", FT_LOCAL, f"--run.dir={run}", "--replicas", "2", "--nproc", "1")
-    deadline = time.time() + 180
-    while not all((run / f"replica{r}" / "ft_cursor.json").exists() for r in range(2)):  # both groups commit
-        assert proc.poll() is None and time.time() < deadline, proc.returncode
-        time.sleep(0.2)
-    below = descendants(proc.pid)
-    try:
-        assert len(below) >= 4, below  # two agents, a rank each
-        proc.terminate()
-        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-        deadline = time.time() + 30
-        while any(running(pid) for pid in below) and time.time() < deadline:
-            time.sleep(0.2)
-        assert not [pid for pid in below if running(pid)]
-    finally:  # (what a failure left behind must not load the tests that follow)
-        for pid in [proc.pid, *below]:
-            if running(pid):
-                os.kill(pid, signal.SIGKILL)
-
-
 def test_groups_on_prepared_parquet_data_lose_no_sample_across_a_kill(tmp_path):
     # Two groups of one rank on a prepared dataset of 300 samples (row groups of 24, files of 50:
     # every epoch crosses them all); group 1 is killed once it has trained 10 batches of its
@@ -517,3 +221,27 @@ def test_the_survivors_of_a_hung_group_go_on_within_two_seconds_and_it_catches_u
     assert_exactly_once(run, summary, 270)
     assert summary["slow"] == []  # a hung group is not a slow one
     assert_groups_agree(run, 3, tmp_path, since=failure["rejoined_at"])
+
+
+def test_a_terminated_launcher_leaves_no_process_behind(tmp_path):
+    # SIGTERM (a job scheduler's stop, `timeout`) to `freescale local` while its groups train:
+    # every torchrun agent and rank goes with it.
+    run = tmp_path / "run"
+    proc = start_freescale("local", "--config", FT_LOCAL, f"--run.dir={run}", "--replicas", "2", "--nproc", "1")
+    deadline = time.time() + 180
+    while not all((run / f"replica{r}" / "ft_cursor.json").exists() for r in range(2)):  # both groups commit
+        assert proc.poll() is None and time.time() < deadline, proc.returncode
+        time.sleep(0.2)
+    below = descendants(proc.pid)
+    try:
+        assert len(below) >= 4, below  # two agents, a rank each
+        proc.terminate()
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.time() + 30
+        while any(running(pid) for pid in below) and time.time() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in below if running(pid)]
+    finally:  # (what a failure left behind must not load the tests that follow)
+        for pid in [proc.pid, *below]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from helpers.launch import check
-from test_ft import EVERY_7, assert_exactly_once, assert_groups_agree, assert_kept_committing, final_state, local, logs
+from helpers.ft_runs import EVERY_7, assert_exactly_once, assert_groups_agree, assert_kept_committing, final_state, local, logs
 
 pytestmark = pytest.mark.slow
 
