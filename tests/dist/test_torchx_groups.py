@@ -26,10 +26,14 @@ pytestmark = pytest.mark.slow
 
 FT_LOCAL = "configs/ft_local.yaml"
 REPLICAS, NPROC, STEPS = 2, 2, 150
-# Group 0 votes against step 80 until group 1 is in it again, so the restarted group (10-30 s
-# to start on a busy machine) finds a live group to catch up from, however fast group 0 trains.
+# Holds (a group votes against the step until every group is in it) order the run by events:
+# group 1 holds at step 2 until group 0 is in the run (a group that starts late on a busy
+# machine), so group 0 holds group 1's batches when group 1 is killed; group 0 holds at step 80
+# until group 1 is in it again, so the restarted group (10-30 s to start on a busy machine)
+# finds a live group to catch up from, however fast group 0 trains.
 OVERRIDES = [f"train.steps={STEPS}", "checkpoint.every=0", "run.log_every=50",
-             "faults=[{at_step: 80, during: vote, kind: hold, replicas: [0]}]"]
+             "faults=[{at_step: 2, during: vote, kind: hold, replicas: [1]},"
+             " {at_step: 80, during: vote, kind: hold, replicas: [0]}]"]
 KILL_AFTER = 10  # batches of its own shard group 1 has committed when its rank is killed
 DEADLINE_S = 400
 
@@ -106,11 +110,14 @@ def assert_exactly_once(run: Path) -> None:
     for batch, ids in expected.items():
         trained = Counter(i for rec in records if rec["batch"] == batch for i in rec["sample_ids"])
         assert trained == Counter(ids), f"batch {batch}: trained {sorted(trained.items())[:8]}..."
-    # Group 0, never killed, trained a batch of its own at every commit after its first one (it
-    # may start late on a busy machine and catch up from group 1 once before it), and its cursor
-    # counts those commits. Group 1 not while it was away.
+    # Every group's cursor counts the commits that trained a batch of its own, in both of group
+    # 1's lives: what group 1 committed before the kill was in group 0's state, which it caught
+    # up from (a commit that trained none of its own batches). Group 0, never killed, trained
+    # one at every commit after its first (it may start late and catch up from group 1 once);
+    # group 1 not while it was away.
+    for r in range(REPLICAS):
+        assert cursor(run, r)["next_batch"] == sum(c["trained"] for c in commits(run, r)), r
     zero = commits(run, 0)
-    assert cursor(run, 0)["next_batch"] == sum(c["trained"] for c in zero)
     first = next(i for i, c in enumerate(zero) if c["trained"])
     assert all(c["trained"] for c in zero[first:]), [c["step"] for c in zero[first:] if not c["trained"]]
     assert 0 < cursor(run, 1)["next_batch"] < STEPS
