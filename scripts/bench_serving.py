@@ -25,6 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from freescale.io import write_json_atomic  # noqa: E402
+from freescale.logging import quiet_known_warnings  # noqa: E402
 from freescale.progress import bar, say  # noqa: E402
 from freescale.serve.bench import bench  # noqa: E402
 from freescale.serve.export import export  # noqa: E402
@@ -52,6 +53,7 @@ def _cell(s: dict, digits: int = 2) -> str:
 
 
 def main() -> None:
+    quiet_known_warnings()  # (torch.fx's is_fx_tracing warning at every export)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--run", default="", help="a trained run folder (default: train the quickstart)")
     parser.add_argument("--repeats", type=int, default=3)
