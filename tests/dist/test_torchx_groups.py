@@ -115,8 +115,11 @@ def assert_exactly_once(run: Path) -> None:
     # up from (a commit that trained none of its own batches). Group 0, never killed, trained
     # one at every commit after its first (it may start late and catch up from group 1 once);
     # group 1 not while it was away.
+    # (group 1's cursor may hold one batch more: the one its peers committed as it was killed,
+    # whose commit it never recorded)
     for r in range(REPLICAS):
-        assert cursor(run, r)["next_batch"] == sum(c["trained"] for c in commits(run, r)), r
+        missing = cursor(run, r)["next_batch"] - sum(c["trained"] for c in commits(run, r))
+        assert missing == 0 or (r == 1 and missing == 1), (r, missing)
     zero = commits(run, 0)
     first = next(i for i, c in enumerate(zero) if c["trained"])
     assert all(c["trained"] for c in zero[first:]), [c["step"] for c in zero[first:] if not c["trained"]]
