@@ -1,7 +1,7 @@
 """Time HSTU's dense training step (forward+backward of the task alone) on real batches.
 
 For each config (``configs/hstu_ml100k.yaml``: retrieval on MovieLens-100K, histories up to
-50; ``configs/hstu_ranking.yaml``: ranking on heavy-tailed synthetic histories up to 512) the
+20; ``configs/hstu_ranking.yaml``: ranking on heavy-tailed synthetic histories up to 512) the
 task is built as the trainer builds it (``build_task`` with the run's settings, seed fixed),
 its batches are the train source's first ``--batches`` local batches (``build_sources``,
 ``Batch.from_samples``) and the rows come from an ``nn.Embedding`` (the sparse part is not
@@ -10,8 +10,10 @@ timed). A step is: rows looked up, the task's loss, ``backward``.
 ``--baseline REV`` also times the code of git revision ``REV`` (exported to a temporary tree)
 in the same run: each round runs every variant once, in a fresh process each, alternating,
 so the shared cores' noise falls on both; the table gives the range of the per-round medians
-and the ratio to the baseline within each round. MFU is against ``freescale.profile.peak``'s
-measured matmul peak for the config's widths; MFLOP/sample counts forward+backward
+and the ratio to the baseline within each round. Keys of a config that ``REV``'s code refuses
+as unknown (options added since) are left out of the config for both variants, so that both
+time the same work; the script names them and the JSON keeps them (``left_out_for_both``).
+MFU is against ``freescale.profile.peak``'s measured matmul peak for the config's widths; MFLOP/sample counts forward+backward
 (``freescale.model.flops.training_flops``).
 
     .venv/bin/python scripts/bench_hstu_step.py --repeats 3 --baseline <rev>
@@ -87,13 +89,85 @@ def measure(config: str, batches: int, iters: int, seed: int, threads: int) -> d
                        for b in data], "threads": torch.get_num_threads(), "torch": torch.__version__}
 
 
+def worker(tree: str, args, *extra: str) -> dict:
+    """This script's worker mode run on the code under ``tree``, in a fresh process: its JSON line.
+    A worker that fails stops the benchmark with its last line of stderr (exit 2)."""
+    command = [sys.executable, os.path.abspath(__file__), "--worker", "--batches", str(args.batches),
+               "--iters", str(args.iters), "--seed", str(args.seed), "--threads", str(args.threads),
+               "--configs", ",".join(args.configs), *extra]
+    env = {**os.environ, "PYTHONPATH": tree}
+    done = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = done.stderr.strip().splitlines() or ["(no output)"]
+        print(f"bench_hstu_step: the worker on {tree} failed: {lines[-1]}", file=sys.stderr)
+        sys.exit(2)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def run_variant(tree: str, args) -> dict:
     """One round of every config in a fresh process on the code under ``tree``."""
-    command = [sys.executable, os.path.abspath(__file__), "--worker", "--batches", str(args.batches),
-               "--iters", str(args.iters), "--seed", str(args.seed), "--threads", str(args.threads), "--configs", ",".join(args.configs)]
-    env = {**os.environ, "PYTHONPATH": tree}
-    done = subprocess.run(command, cwd=tree, env=env, check=True, capture_output=True, text=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    return worker(tree, args)
+
+
+def unknown_keys(config: str) -> list[str]:
+    """The dotted keys of ``config`` that the code imported here refuses as unknown (found by loading
+    it and leaving out each key its error names, as a revision older than the config would)."""
+    import re
+
+    import yaml
+
+    from freescale.config import ConfigError, load_config
+
+    with open(os.path.join(ROOT, config)) as f:
+        data = yaml.safe_load(f)
+    dropped = []
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "config.yaml")
+        while True:
+            with open(path, "w") as f:
+                yaml.safe_dump(data, f)
+            try:
+                load_config(path)
+                return dropped
+            except ConfigError as e:
+                found = re.search(r"unknown config key '([^']+)'", str(e))
+                if not found:
+                    raise
+                key = found.group(1)
+                *parents, leaf = key.split(".")
+                node = data
+                for part in parents:
+                    node = node[part]
+                del node[leaf]
+                dropped.append(key)
+
+
+def common_configs(base: str, tmp: str, args) -> dict:
+    """Point ``args.configs`` at copies of the configs without the keys the baseline does not know,
+    so that both variants time the same work; returns {config: keys left out}."""
+    import yaml
+
+    left_out = worker(base, args, "--probe")
+    if not any(left_out.values()):
+        return left_out
+    common = []
+    for config in args.configs:
+        with open(os.path.join(ROOT, config)) as f:
+            data = yaml.safe_load(f)
+        for key in left_out[config]:
+            *parents, leaf = key.split(".")
+            node = data
+            for part in parents:
+                node = node[part]
+            del node[leaf]
+        path = os.path.join(tmp, "common-" + os.path.basename(config))
+        with open(path, "w") as f:
+            yaml.safe_dump(data, f)
+        common.append(path)
+        if left_out[config]:
+            print(f"{config}: left out for both variants (unknown to {args.baseline}): {', '.join(left_out[config])}")
+    args.configs = common
+    return left_out
 
 
 def summary(result: dict) -> dict:
@@ -115,8 +189,12 @@ def main() -> None:
     parser.add_argument("--baseline", default="", help="a git revision to time in the same run")
     parser.add_argument("--out", default="docs/results/bench_hstu_step.json")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.configs = args.configs.split(",")
+    if args.worker and args.probe:
+        print(json.dumps({c: unknown_keys(c) for c in args.configs}))
+        return
     if args.worker:
         print(json.dumps({c: measure(c, args.batches, args.iters, args.seed, args.threads) for c in args.configs}))
         return
@@ -134,6 +212,10 @@ def main() -> None:
             for name in ("configs", "runs"):  # the configs and data cache of this tree
                 os.symlink(os.path.join(ROOT, name), os.path.join(base, name))
             trees = {"baseline": base, **trees}
+            names = list(args.configs)
+            left_out = common_configs(base, tmp, args)
+        else:
+            names, left_out = list(args.configs), {}
         rounds = {v: [] for v in trees}
         for r in range(args.repeats):
             for variant, tree in trees.items():
@@ -141,6 +223,10 @@ def main() -> None:
                 print(f"round {r + 1}/{args.repeats} {variant}: " + ", ".join(
                     f"{os.path.basename(c)} {summary(rounds[variant][-1][c])['ms_per_step']:.1f} ms"
                     for c in args.configs), flush=True)
+        # Results under the configs' own names, not the temporary copies'.
+        rounds = {v: [{name: rd[path] for name, path in zip(names, args.configs)} for rd in rs]
+                  for v, rs in rounds.items()}
+        args.configs = names
 
     table = {}
     print(f"\n{'config':<18} {'variant':<9} {'ms/step':>17} {'samples/s':>17} {'MFLOP/sample':>13} "
@@ -162,7 +248,7 @@ def main() -> None:
                   f"{span('mfu_pct', '{:.2f}'):>13} {speed:>13}")
     write_json_atomic(os.path.join(ROOT, args.out), {
         "command": " ".join(["scripts/bench_hstu_step.py", *sys.argv[1:]]),
-        "baseline": args.baseline, "settings": {k: getattr(args, k) for k in ("repeats", "batches", "iters", "seed", "threads")},
+        "baseline": args.baseline, "left_out_for_both": left_out, "settings": {k: getattr(args, k) for k in ("repeats", "batches", "iters", "seed", "threads")},
         "results": table, "rounds": rounds,
     })
 
