@@ -39,6 +39,7 @@ sys.path.insert(0, REPO)
 from freescale.data.measure import disk_bytes, reader_throughput, run_measured, spread  # noqa: E402
 from freescale.data.prepare_bench import format_table  # noqa: E402
 from freescale.io import write_json_atomic  # noqa: E402
+from freescale.logging import quiet_known_warnings  # noqa: E402
 
 QUICKSTART = os.path.join(REPO, "configs", "quickstart.yaml")
 
@@ -103,6 +104,7 @@ def main() -> None:
     p.add_argument("--work", default=os.path.join(REPO, "runs", "bench_data"))
     p.add_argument("--out", default=os.path.join(REPO, "docs", "results", "bench_data.json"))
     args = p.parse_args()
+    quiet_known_warnings()  # (torch.fx's is_fx_tracing warning as the reader's modules load)
     os.makedirs(args.work, exist_ok=True)
     sizes = {"small": args.small, "large": args.small * args.factor}
     result: dict = {"command": " ".join(sys.argv), "datasets": {}, "reader": {}, "training": {}, "reader_pass": {}}
