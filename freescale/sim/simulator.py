@@ -389,8 +389,9 @@ def format_table(result: dict) -> str:
 def plot(result: dict, path: str) -> None:
     """Bubble fraction and straggler % (baseline, freescale) and effective training time
     (synchronous restart, replica layer) against the rank count, as one PNG."""
-    from freescale.profile.report import _save_fig, plt
+    from freescale.profile.report import _pyplot, _save_fig
 
+    plt = _pyplot()
     ranks = [r["ranks"] for r in result["rows"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, style in (("baseline", "o--"), ("freescale", "o-")):

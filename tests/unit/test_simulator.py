@@ -185,10 +185,12 @@ def test_overlapped_exchanges_take_their_cpu_share_from_busy_cores():
     assert exposed(4, 2000) == pytest.approx(exposed(4, 0), abs=1e-9)
 
 
-def test_freescale_simulate_prints_and_writes_the_projection(tmp_path):
-    out = tmp_path / "sim.json"
-    proc = freescale("simulate", "--config", FREESCALE, "--sim.ranks=[8,256]", "--sim.steps=3", "--out", str(out))
+def test_freescale_simulate_prints_and_writes_the_projection_and_its_chart(tmp_path):
+    out, png = tmp_path / "sim.json", tmp_path / "sim.png"
+    proc = freescale("simulate", "--config", FREESCALE, "--sim.ranks=[8,256]", "--sim.steps=3", "--out", str(out),
+                     "--plot", str(png))
     assert proc.returncode == 0, proc.stderr
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the chart the docs show, drawn
     assert "ranks" in proc.stdout and "projections" in proc.stdout
     data = json.loads(out.read_text())
     assert [r["ranks"] for r in data["rows"]] == [8, 256]
