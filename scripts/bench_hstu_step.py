@@ -109,6 +109,14 @@ def run_variant(tree: str, args) -> dict:
     return worker(tree, args)
 
 
+def drop(data: dict, key: str) -> None:
+    """Delete the dotted ``key`` (``section.name``) from a config's YAML mapping."""
+    *parents, leaf = key.split(".")
+    for part in parents:
+        data = data[part]
+    del data[leaf]
+
+
 def unknown_keys(config: str) -> list[str]:
     """The dotted keys of ``config`` that the code imported here refuses as unknown (found by loading
     it and leaving out each key its error names, as a revision older than the config would)."""
@@ -134,11 +142,7 @@ def unknown_keys(config: str) -> list[str]:
                 if not found:
                     raise
                 key = found.group(1)
-                *parents, leaf = key.split(".")
-                node = data
-                for part in parents:
-                    node = node[part]
-                del node[leaf]
+                drop(data, key)
                 dropped.append(key)
 
 
@@ -155,11 +159,7 @@ def common_configs(base: str, tmp: str, args) -> dict:
         with open(os.path.join(ROOT, config)) as f:
             data = yaml.safe_load(f)
         for key in left_out[config]:
-            *parents, leaf = key.split(".")
-            node = data
-            for part in parents:
-                node = node[part]
-            del node[leaf]
+            drop(data, key)
         path = os.path.join(tmp, "common-" + os.path.basename(config))
         with open(path, "w") as f:
             yaml.safe_dump(data, f)
