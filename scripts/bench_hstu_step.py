@@ -104,11 +104,6 @@ def worker(tree: str, args, *extra: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def run_variant(tree: str, args) -> dict:
-    """One round of every config in a fresh process on the code under ``tree``."""
-    return worker(tree, args)
-
-
 def drop(data: dict, key: str) -> None:
     """Delete the dotted ``key`` (``section.name``) from a config's YAML mapping."""
     *parents, leaf = key.split(".")
@@ -219,7 +214,7 @@ def main() -> None:
         rounds = {v: [] for v in trees}
         for r in range(args.repeats):
             for variant, tree in trees.items():
-                rounds[variant].append(run_variant(tree, args))
+                rounds[variant].append(worker(tree, args))  # one round of every config
                 print(f"round {r + 1}/{args.repeats} {variant}: " + ", ".join(
                     f"{os.path.basename(c)} {summary(rounds[variant][-1][c])['ms_per_step']:.1f} ms"
                     for c in args.configs), flush=True)
