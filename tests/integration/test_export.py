@@ -1,4 +1,4 @@
-"""``freescale export`` and ``freescale serve-bench`` on the quickstart after its 1000 steps: an
+"""``freescale export`` and ``freescale serve-bench`` on the quickstart cut to 300 steps: an
 export loads and predicts in a process where FreeScale cannot be imported, the fp32 export
 predicts what the trained model does, int8 keeps the held-out AUC within 0.001 of fp32, a
 2-rank checkpoint exports what its ranks held, and bad input gets one line and exit 2."""
@@ -23,19 +23,20 @@ pytestmark = pytest.mark.slow
 
 FP32_TOLERANCE = 1e-4  # logits of the fp32 export against the training forward (padded vs jagged attention)
 INT8_AUC_TOLERANCE = 0.001
+STEPS = 300  # (held-out AUC 0.67 there, against 0.78 after the shipped 1000 steps: enough to tell int8 from fp32)
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    """The quickstart as shipped (1000 steps, 2 ranks: the README's command), without its evaluations."""
+    """The quickstart's model and data on 2 ranks (the README's command), for STEPS steps, without its evaluations."""
     run_dir = tmp_path_factory.mktemp("quickstart") / "run"
-    check(freescale("train", "--nproc", "2", "--config", str(QUICKSTART), "--train.eval_every=0",
-                    "--profile.enable=false", f"--run.dir={run_dir}", timeout=900))
+    check(freescale("train", "--nproc", "2", "--config", str(QUICKSTART), f"--train.steps={STEPS}",
+                    "--run.log_every=10", "--train.eval_every=0", "--profile.enable=false", f"--run.dir={run_dir}", timeout=900))
     return run_dir
 
 
 def test_the_quickstart_learns(run):
-    """Its loss falls over the 1000 steps (and the held-out AUC, read from the exports below, is
+    """Its loss falls over the STEPS steps (and the held-out AUC, read from the exports below, is
     well above chance)."""
     losses = [r["train/loss"] for r in metrics(run) if "train/loss" in r]
     assert len(losses) >= 30
@@ -48,7 +49,7 @@ def exports(run, tmp_path_factory):
     out = {}
     for q in ("fp32", "int8", "int4"):
         proc = check(freescale("export", str(run), "--out", str(root / q), "--quantize", q, timeout=600))
-        assert f"exported step 1000 of {run} ({q}" in proc.stdout
+        assert f"exported step {STEPS} of {run} ({q}" in proc.stdout
         assert "is_fx_tracing" not in proc.stderr, proc.stderr[-2000:]  # (torch.fx's warning as torch.export runs)
         out[q] = root / q
     return out
