@@ -79,6 +79,9 @@ POLLS_PER_TIMEOUT = 10  # status reads (and abort-notice checks) per ft.hang_tim
 ABORTED_KEY = "freescale/aborted"
 """In a quorum's store (its prefix): the name of a group that aborted the quorum's collectives."""
 ANNOUNCE_TRIES = 3  # (each failed connection to a store is a few lines of c10d's log)
+STORE_RETRY_S = 1.5
+"""The longest pause of c10d's TCPStore client between its two tries to connect (1 s, give or
+take half): a store that is gone takes two connect timeouts and up to this to fail."""
 
 
 class HungReplica(RuntimeError):
@@ -314,9 +317,12 @@ class Watchdog:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+        # Out of any store or HTTP request before the interpreter ends (a thread inside c10d's
+        # client then aborts the process): a turn ends within one store connection (two tries
+        # of half of ft.hang_timeout_s and the pause between) and a read; twice that, for a busy host.
         for thread in (self._thread, self._notices):
-            if thread.is_alive():  # (out of any store or HTTP request before the interpreter ends)
-                thread.join(timeout=2 * self.hang_timeout_s)
+            if thread.is_alive():
+                thread.join(timeout=2 * (self.hang_timeout_s + STORE_RETRY_S))
 
 
 class NullWatchdog:
