@@ -3,8 +3,8 @@
 # busy CI machine; prints each run's result and the pass count, keeps each run's log.
 #
 #   scripts/stress_ft.sh [N] [pytest args...]     (default: 10 runs of tests/dist/test_ft.py,
-#                                                  test_ft_votes.py and test_group_check.py: 6-7 min a run on
-#                                                  2 cores, about an hour for the 10)
+#                                                  test_ft_votes.py and test_group_check.py: 6-10 min a run on
+#                                                  2 cores, an hour or more for the 10)
 #
 # Exits 0 only if every run passed. Logs: runs/stress_ft/run<i>.log.
 set -u
@@ -33,7 +33,7 @@ for _ in $(seq "$cores"); do
   "$python" -c "while True: pass" &
   hogs+=($!)
 done
-echo "stress_ft: $runs run(s) of ${tests[*]} beside $cores CPU-bound process(es) (the replica-layer files: 6-7 min a run on 2 cores)"
+echo "stress_ft: $runs run(s) of ${tests[*]} beside $cores CPU-bound process(es) (the replica-layer files: 6-10 min a run on 2 cores)"
 
 passed=0
 for i in $(seq "$runs"); do
