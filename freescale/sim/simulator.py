@@ -160,9 +160,13 @@ class LengthSampler:
         n = source.num_samples or LENGTH_POOL * 16
         rng = np.random.default_rng(seed)
         positions = rng.choice(n, size=min(n, LENGTH_POOL), replace=False)
-        samples = source.samples_at(np.sort(positions))
-        self.lengths = np.asarray(samples.uih_lengths, dtype=np.int64)
-        self.candidates = np.asarray(samples.cand_counts, dtype=np.int64)
+        if hasattr(source, "lengths_at"):  # (the synthetic stream: no items drawn)
+            lengths, candidates = source.lengths_at(np.sort(positions))
+        else:
+            samples = source.samples_at(np.sort(positions))
+            lengths, candidates = samples.uih_lengths, samples.cand_counts
+        self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.candidates = np.asarray(candidates, dtype=np.int64)
         self.source = cfg.data.source
 
     def draw(self, rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray]:

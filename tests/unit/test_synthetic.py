@@ -28,6 +28,16 @@ def test_same_seed_same_samples_any_access_order():
     np.testing.assert_array_equal(a.sample_ids, pos)
 
 
+def test_lengths_at_are_the_lengths_and_candidate_counts_of_the_samples_there():
+    # Positions over three blocks, out of order, for both tasks, against the samples themselves.
+    pos = np.random.default_rng(1).permutation(np.arange(BLOCK - 300, 2 * BLOCK + 300))[:900]
+    for src in (source(), source(split="eval", seed=5), retrieval(negatives=7)):
+        lengths, counts = src.lengths_at(pos)
+        samples = src.samples_at(pos)
+        np.testing.assert_array_equal(lengths, samples.uih_lengths)
+        np.testing.assert_array_equal(counts, samples.cand_counts)
+
+
 def test_other_seed_or_split_gives_other_samples():
     pos = np.arange(64)
     a, b, e = source().samples_at(pos), source(seed=4).samples_at(pos), source(split="eval").samples_at(pos)
