@@ -23,7 +23,8 @@ the end and writes ``<run>/local_summary.json``:
   of its commits while the failed group was away (kill to rejoin);
 - each group's own time per step (the median over its steps of the time between two commits
   less the time it waited for the other groups: ``blocked_s`` in its commit lines) and the
-  groups whose own time is ``ft.slow_factor`` times the others' or more (``slow``);
+  groups whose own time is ``ft.slow_factor`` times the others' or more over the steps they
+  trained alike (``slow``);
 - the ledger check over all groups: every batch of every group's shard up to its cursor
   trained exactly once (``samples_lost``, ``samples_repeated``), and whether every group
   reached the last step (``complete``).
@@ -379,33 +380,47 @@ def longest_gap(times: list[float], start: float, end: float) -> float:
     return max(gaps, default=0.0)
 
 
-def own_step_s(commits: list[dict]) -> float | None:
-    """A group's own time per step: the median, over the steps it trained right after its
-    previous commit, of the time between the two commits less the time it waited for the other
-    groups in between (``blocked_s``); None without such steps."""
-    own = sorted(b["time"] - a["time"] - b.get("blocked_s", 0.0) for a, b in zip(commits, commits[1:])
-                 if b["trained"] and b["step"] == a["step"] + 1)
-    return own[len(own) // 2] if own else None
+def own_step_times(commits: list[dict]) -> dict[int, float]:
+    """A group's own time in each step it trained right after its previous commit: the time
+    between the two commits less the time it waited for the other groups in between
+    (``blocked_s``)."""
+    return {b["step"]: b["time"] - a["time"] - b.get("blocked_s", 0.0) for a, b in zip(commits, commits[1:])
+            if b["trained"] and b["step"] == a["step"] + 1}
 
 
-def slow_groups(own: dict[int, float | None], factor: float) -> list[dict]:
-    """The groups whose own time per step is ``factor`` times the median of the others' or more."""
+def _median(values) -> float:
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
+def own_step_s(own: dict[int, float]) -> float | None:
+    """A group's own time per step: the median of its :func:`own_step_times`; None without any."""
+    return _median(own.values()) if own else None
+
+
+def slow_groups(own: dict[int, dict[int, float]], factor: float) -> list[dict]:
+    """The groups whose own time per step (``own``: each group's :func:`own_step_times`) is
+    ``factor`` times the others' or more, compared over the steps the group and another trained
+    alike: a group's median there against the median, over the same steps, of the others'
+    median in each. (A period some groups trained without it, e.g. while it was down, with
+    fewer processes on the cores, is no measure of it.)"""
     slow = []
     for g, mine in own.items():
-        others = sorted(t for o, t in own.items() if o != g and t is not None)
-        if mine is None or not others:
+        shared = {s: [o[s] for k, o in own.items() if k != g and s in o] for s in mine}
+        shared = {s: t for s, t in shared.items() if t}
+        if not shared:
             continue
-        theirs = others[len(others) // 2]
-        if mine >= factor * theirs:
-            slow.append({"replica": g, "times_slower": round(mine / theirs, 2), "own_step_s": round(mine, 4),
-                         "others_step_s": round(theirs, 4)})
+        mine_s, theirs_s = _median(mine[s] for s in shared), _median(_median(t) for t in shared.values())
+        if mine_s >= factor * theirs_s:
+            slow.append({"replica": g, "times_slower": round(mine_s / theirs_s, 2), "own_step_s": round(mine_s, 4),
+                         "others_step_s": round(theirs_s, 4)})
     return slow
 
 
 def summarize(run_dir: str, cfg: ExperimentConfig, groups: list[Group], nproc: int, *, wall_s: float,
               address: str) -> dict:
     commits = {g.replica: read_commits(g.run_dir) for g in groups}
-    own = {g.replica: own_step_s(commits[g.replica]) for g in groups}
+    own = {g.replica: own_step_times(commits[g.replica]) for g in groups}
     per_group = []
     for g in groups:
         failures = []
@@ -430,7 +445,7 @@ def summarize(run_dir: str, cfg: ExperimentConfig, groups: list[Group], nproc: i
             "committed_steps": len(commits[g.replica]),
             "trained_steps": sum(1 for c in commits[g.replica] if c["trained"]),
             "last_step": g.step(),
-            "own_step_s": own[g.replica] and round(own[g.replica], 4),
+            "own_step_s": own[g.replica] and round(own_step_s(own[g.replica]), 4),
             "failures": failures,
             "console": g.console,
         })

@@ -135,10 +135,12 @@ def test_every_group_killed_at_once_resumes_from_the_newest_checkpoint(tmp_path)
     # Both groups are SIGKILLed at once once one has trained 60 batches of its shard, past the
     # checkpoint of step 50 (every 25 steps in this run); they come back with no live group to
     # catch up from, resume from the job's newest checkpoint, train what followed it again and
-    # finish, each batch once.
+    # finish, each batch once. Both hold at step 1 until the other is in it: on a busy machine
+    # one group's start-up can take as long as the other's first 60 steps alone.
     run = tmp_path / "run"
     proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--kill", "all@60", "--checkpoint.every=25",
-                          "--checkpoint.keep=20", "--train.steps=200", "--checkpoint.at_end=true")
+                          "--checkpoint.keep=20", "--train.steps=200", "--checkpoint.at_end=true",
+                          "--faults=[{at_step: 1, during: vote, kind: hold}]")
     check(proc)
     for g in summary["groups"]:
         assert [f["cause"] for f in g["failures"]] == ["killed"]

@@ -14,7 +14,7 @@ from freescale.config import ConfigError, load_config
 from freescale.faults import FaultInjector
 from freescale.ft.lighthouse import LighthouseOptions, LighthouseStatus, QuorumLog, address_of, read_status, start_lighthouse
 from freescale.ft.watchdog import STORE_RETRY_S, HungReplica, Watchdog, verdict
-from freescale.local import DEFAULT_STOP_S, own_step_s, parse_stops, slow_groups
+from freescale.local import DEFAULT_STOP_S, own_step_s, own_step_times, parse_stops, slow_groups
 from helpers.launch import REPO
 
 FT_LOCAL = REPO / "configs" / "ft_local.yaml"
@@ -172,21 +172,40 @@ def test_a_group_three_times_slower_is_named_with_its_factor_and_a_healthy_run_h
     # of it for the slow one, which waits for nobody.
     fast, slow = commits(0.15, 0.1), commits(0.15, 0.0)
     fast[5]["blocked_s"] = 3.0  # one step waiting long (a quorum change) does not move the median
-    own = {0: own_step_s(fast), 1: own_step_s(fast), 2: own_step_s(slow)}
-    assert own[0] == pytest.approx(0.05) and own[2] == pytest.approx(0.15)
+    own = {0: own_step_times(fast), 1: own_step_times(fast), 2: own_step_times(slow)}
+    assert own_step_s(own[0]) == pytest.approx(0.05) and own_step_s(own[2]) == pytest.approx(0.15)
     assert slow_groups(own, factor=1.5) == [{"replica": 2, "times_slower": 3.0, "own_step_s": 0.15,
                                              "others_step_s": 0.05}]
-    healthy = {g: own_step_s(commits(0.05, 0.001 * g)) for g in range(3)}
+    healthy = {g: own_step_times(commits(0.05, 0.001 * g)) for g in range(3)}
     assert slow_groups(healthy, factor=1.5) == []
+
+
+def test_a_group_is_compared_over_the_steps_the_others_trained_with_it():
+    # Group 2 is away for steps 21-249 (stopped, then caught up); groups 0 and 1, with its
+    # cores to themselves, step in 0.02 s then, and in 0.05 s like group 2 while all three run.
+    # Group 2's own median (0.05 s) is 2.5 times theirs over the whole run, yet no slower than
+    # theirs in the steps they trained alike.
+    def run(steps, step_s):
+        return [{"step": s, "next_batch": s, "trained": True, "time": 1000.0 + s, "blocked_s": 1.0 - step_s(s)}
+                for s in steps]
+    together = lambda s: 0.05 if s <= 20 or s > 250 else 0.02  # noqa: E731
+    own = {g: own_step_times(run(range(1, 271), together)) for g in (0, 1)}
+    own[2] = own_step_times(run([*range(1, 21), *range(250, 271)], lambda s: 0.05))
+    assert own_step_s(own[2]) == pytest.approx(2.5 * own_step_s(own[0]))
+    assert slow_groups(own, factor=1.5) == []
+    own[2] = own_step_times(run([*range(1, 21), *range(250, 271)], lambda s: 0.1))  # twice as slow: named
+    assert slow_groups(own, factor=1.5) == [{"replica": 2, "times_slower": 2.0, "own_step_s": 0.1,
+                                             "others_step_s": 0.05}]
 
 
 def test_own_time_counts_only_steps_trained_right_after_the_previous_commit():
     steps = commits(0.1, 0.0, steps=4)
     steps[2]["trained"] = False  # a catch-up
     steps[3]["step"] = 9  # the group was away in between
-    assert own_step_s(steps) == pytest.approx(0.1)
-    assert own_step_s(steps[:1]) is None
-    assert slow_groups({0: None, 1: 0.1}, factor=1.5) == []
+    assert own_step_times(steps) == {2: pytest.approx(0.1)}
+    assert own_step_times(steps[:1]) == {} and own_step_s({}) is None
+    assert slow_groups({0: {}, 1: {5: 0.1}}, factor=1.5) == []
+    assert slow_groups({0: {4: 0.5}, 1: {5: 0.1}}, factor=1.5) == []  # no step in common: no verdict
 
 
 def test_a_slow_fault_stalls_every_step_from_its_own_on(monkeypatch):
