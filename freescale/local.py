@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 
 from freescale.config import ConfigError, ExperimentConfig, load_config
 from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse
-from freescale.ft.replica import COMMITS_FILE, ReplicaFiles
+from freescale.ft.files import COMMITS_FILE, ReplicaFiles
 from freescale.io import write_json_atomic
 from freescale.progress import bar, say
 from freescale.train.ledger import audit, exactly_once, expected_samples, read_ledger

@@ -18,10 +18,13 @@ otherwise.
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
 import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 import urllib.request
@@ -128,9 +131,32 @@ class QuorumLog:
         return lines
 
 
+def _lighthouse_server_class():
+    """torchft's ``LighthouseServer``, from its Rust extension (``torchft._torchft``) alone.
+
+    The package's ``__init__`` imports torch and torchft's Manager (2-3 s of CPU), which a
+    lighthouse never uses; loaded by itself, the extension takes milliseconds, so ``freescale
+    local`` starts its groups and ``freescale lighthouse`` answers that much sooner. Where torchft
+    is imported already, or its layout is not the one expected, the usual import."""
+    if "torchft" not in sys.modules:
+        spec = importlib.util.find_spec("torchft")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+                path = os.path.join(folder, "_torchft" + suffix)
+                if os.path.exists(path):
+                    loader = importlib.machinery.ExtensionFileLoader("torchft._torchft", path)
+                    module = importlib.util.module_from_spec(
+                        importlib.util.spec_from_file_location("torchft._torchft", path, loader=loader))
+                    loader.exec_module(module)
+                    return module.LighthouseServer
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer
+
+
 def start_lighthouse(options: LighthouseOptions):
     """A running ``torchft`` ``LighthouseServer`` (``shutdown()`` stops it)."""
-    from torchft.coordination import LighthouseServer
+    LighthouseServer = _lighthouse_server_class()
 
     if options.min_replicas < 1:
         raise ValueError(f"--min-replicas: expected a value >= 1, got {options.min_replicas}")

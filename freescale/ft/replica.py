@@ -62,7 +62,6 @@ Off (``ft.enable: false``) the trainer holds a ``NullReplica`` (the trainer's ca
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -78,16 +77,14 @@ from torch.distributed.distributed_c10d import AllreduceOptions, ReduceOp
 from freescale.device import CopyEngine, staged_on_host
 from freescale.env import TORCHFT_LIGHTHOUSE
 from freescale.ft.catchup import load_transferred, transfer_state
+from freescale.ft.files import ReplicaFiles
 from freescale.ft.row_exchange import Header, RowPlan, empty_plan, pack_header, pack_keys, plan_rows, read_header
-from freescale.io import write_json_atomic
 from freescale.model.dense_sharding import local_gradients
 from freescale.profile.timeline import phase
 
 log = logging.getLogger("freescale")
 
 LIGHTHOUSE_ENV = TORCHFT_LIGHTHOUSE
-CURSOR_FILE = "ft_cursor.json"
-COMMITS_FILE = "ft_commits.jsonl"
 NO_KEYS = torch.zeros(0, dtype=torch.int64)
 STATE_KEY = "freescale"  # the layer's state among the manager's registered state dicts
 
@@ -138,39 +135,6 @@ class NullReplica:
 
     def close(self) -> None:
         pass
-
-
-class ReplicaFiles:
-    """A group's files in its run folder: its progress (the last committed step and the data
-    cursor it left, rewritten atomically at every commit: what ``freescale local`` watches)
-    and one line per commit (what it measures stalls from)."""
-
-    def __init__(self, run_dir: str) -> None:
-        self.cursor_path = os.path.join(run_dir, CURSOR_FILE)
-        self.commits_path = os.path.join(run_dir, COMMITS_FILE)
-
-    def read_cursor(self) -> dict | None:
-        """``{"step", "next_batch"}`` of the last committed step, or None for a group that never committed."""
-        if not os.path.exists(self.cursor_path):
-            return None
-        try:
-            with open(self.cursor_path) as f:
-                cursor = json.load(f)
-            return {"step": int(cursor["step"]), "next_batch": int(cursor["next_batch"])}
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{self.cursor_path}: unreadable data cursor ({e})") from e
-
-    def write(self, step: int, next_batch: int, trained: bool, blocked_s: float = 0.0) -> None:
-        """``blocked_s``: the time the group waited for the others since its last commit."""
-        now = time.time()
-        with open(self.commits_path, "a") as f:
-            f.write(json.dumps({"step": step, "next_batch": next_batch, "trained": trained, "time": now,
-                                "blocked_s": round(blocked_s, 6)}) + "\n")
-        self.write_progress(step, next_batch, now)
-
-    def write_progress(self, step: int, next_batch: int, now: float | None = None) -> None:
-        """The group's state without a commit (it loaded a checkpoint)."""
-        write_json_atomic(self.cursor_path, {"step": step, "next_batch": next_batch, "time": now or time.time()})
 
 
 class ReplicaLayer:

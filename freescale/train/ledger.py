@@ -19,8 +19,10 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 from freescale.io import rewind_jsonl
 

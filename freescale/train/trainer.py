@@ -37,7 +37,8 @@ from freescale.config import ExperimentConfig, declared_faults, write_config
 from freescale.data.loader import BatchLoader, SampleSource, build_sources, eval_batches
 from freescale.distributed import Topology
 from freescale.faults import build_faults
-from freescale.ft.replica import ReplicaFiles, Restore, build_replica
+from freescale.ft.files import ReplicaFiles
+from freescale.ft.replica import Restore, build_replica
 from freescale.io import write_json_atomic
 from freescale.logging import log_file_path, log_to_file, setup_logging
 from freescale.model.flops import matmul_widths, training_flops

@@ -347,7 +347,8 @@ def make_layer(quorums=(), *, replicas: int = 2, replica: int = 0, step: int = 0
     folder); ``ft`` other ``FTConfig`` fields. Returns the parts: layer, manager, pg, tables,
     model, state."""
     from freescale.config import ExperimentConfig, FTConfig
-    from freescale.ft.replica import ReplicaFiles, ReplicaLayer
+    from freescale.ft.files import ReplicaFiles
+    from freescale.ft.replica import ReplicaLayer
 
     state, model, optimizer = training_state(replicas, replica, step=step, next_batch=next_batch)
     pg = pg if pg is not None else FakeProcessGroup(replicas)

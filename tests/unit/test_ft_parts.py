@@ -3,6 +3,8 @@ catches up, cursor files, faults under the layer, data shards, config checks, th
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -15,7 +17,7 @@ from freescale.faults import FaultInjector, Faults, InjectedFault, NullFaults, b
 from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse
 from freescale.local import ALL, descendants, longest_gap, parse_kills
 from freescale.ft.catchup import load_into, transfer_state
-from freescale.ft.replica import ReplicaFiles
+from freescale.ft.files import ReplicaFiles
 from helpers.launch import REPO, freescale
 
 FT_LOCAL = REPO / "configs" / "ft_local.yaml"
@@ -288,3 +290,20 @@ def test_faults_strike_from_wrappers_around_torchfts_parts(tmp_path):
         held.errors.clear()
     in_step["groups"] = 2
     assert held.should_commit() is True and held.errors == []
+
+
+def test_the_launcher_and_its_lighthouse_start_without_torch():
+    # freescale local and freescale lighthouse load neither torch nor torchft's package: the
+    # lighthouse is torchft's Rust server alone, and the groups' files are read without torch.
+    # Its imports took 2-3 s of CPU before every group started.
+    code = ("import sys\n"
+            "import freescale.cli, freescale.local\n"
+            "from freescale.ft.lighthouse import LighthouseOptions, start_lighthouse\n"
+            "server = start_lighthouse(LighthouseOptions(bind='127.0.0.1:0'))\n"
+            "assert server.address().startswith('http://')\n"
+            "server.shutdown()\n"
+            "print(sorted(m for m in ('torch', 'torchft', 'torchrec', 'fbgemm_gpu') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "RUST_LOG": "warn"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
