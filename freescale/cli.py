@@ -590,13 +590,10 @@ def _local(args, extra: list[str]) -> None:
 
 
 def _verify(args, extra: list[str]) -> None:
-    import torch.distributed as dist
+    from freescale.train.pairs import check_runs, pipeline_pair
 
-    from freescale import distributed
-    from freescale.balance.cost import CostModelError
-    from freescale.data.readers import DataError
-    from freescale.train.verify import pipeline_pair, print_verdict, verify
-
+    # The arguments and both configs first, from the files alone: a mistake is one line before
+    # torch is imported.
     if args.steps < 2:
         _fail(f"--steps: expected at least 2 (the pipeline overlaps consecutive steps), got {args.steps}")
     if not args.tolerance >= 0:
@@ -612,6 +609,18 @@ def _verify(args, extra: list[str]) -> None:
         cfg_a = load_config(args.config, [*overrides, f"--train.pipeline={a}", *(shipped if a == "pec" else [])])
         cfg_b = load_config(args.config, [*overrides, *args.set_b, f"--train.pipeline={b}",
                                           *(shipped if b == "pec" else [])])
+        check_runs(cfg_a, cfg_b)
+    except ConfigError as e:
+        _fail(str(e))
+
+    import torch.distributed as dist
+
+    from freescale import distributed
+    from freescale.balance.cost import CostModelError
+    from freescale.data.readers import DataError
+    from freescale.train.verify import print_verdict, verify
+
+    try:
         verdict = verify(cfg_a, cfg_b, args.steps)
     except (ConfigError, DataError, CostModelError) as e:
         _fail(str(e))

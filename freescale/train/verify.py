@@ -3,7 +3,7 @@
 The same data (the experiment's source, balancer and all) is trained twice on the same ranks:
 run A with ``train.pipeline`` A and run B with ``train.pipeline`` B, by default ``sync`` and
 ``prioritized`` (FreeScale's own tables updated synchronously, and the prioritized schedule
-over the same tables). Any two pipelines of ``PIPELINES`` over the same kind of tables can be
+over the same tables). Any two pipelines over the same kind of tables can be
 compared (``sparse_dist`` and ``base`` over TorchRec's). Run B may also take config overrides
 of its own, which asks whether a setting changes the numbers.
 
@@ -34,55 +34,18 @@ from torchrec.optim.optimizers import in_backward_optimizer_filter
 
 from freescale import distributed
 from freescale.balance.balancer import build_balancer
-from freescale.config import ConfigError, ExperimentConfig
+from freescale.config import ExperimentConfig
 from freescale.data.loader import BatchLoader
 from freescale.profile.timeline import NullTimeline
-from freescale.train.pipelines import PIPELINES
+from freescale.train.pairs import check_runs
 from freescale.train.tables import OWNED_TABLES
 from freescale.train.trainer import read_inputs
 from freescale.train.training import build_training, check_device
 
 DEFAULT_PIPELINES = ("sync", "prioritized")
-SHARED_BY_BOTH_RUNS = ("run.device", "train.backend", "run.threads")
-"""Settings of the job itself: run B cannot take another value of these."""
-
 State = dict[str, dict[str, torch.Tensor]]
 """This rank's state by kind (embedding rows, embedding optimizer state, dense parameters,
 dense optimizer state), each a mapping of names to tensors."""
-
-
-def pipeline_pair(text: str) -> tuple[str, str]:
-    """``A,B``: two different pipelines of ``PIPELINES`` over the same kind of tables; raises a
-    ConfigError naming what is wrong otherwise."""
-    names = [name.strip() for name in text.split(",")]
-    known = ", ".join(PIPELINES)
-    if len(names) != 2 or not all(names):
-        raise ConfigError(f"--pipelines: expected two pipelines as A,B (of: {known}), got {text!r}")
-    a, b = names
-    for name in names:
-        if name not in PIPELINES:
-            raise ConfigError(f"--pipelines: unknown pipeline {name!r} (expected one of: {known})")
-    if a == b:
-        raise ConfigError(f"--pipelines: {a} twice: expected two different pipelines")
-    kind_a, kind_b = PIPELINES[a].table_kind, PIPELINES[b].table_kind
-    if kind_a.description != kind_b.description:  # pec's tables are TorchRec's, named alike (PECTables)
-        raise ConfigError(f"--pipelines: {a} trains {kind_a.description} and {b} {kind_b.description}: "
-                          f"verify compares two pipelines over the same kind of tables")
-    return a, b
-
-
-def check_runs(a: ExperimentConfig, b: ExperimentConfig) -> None:
-    """Raise a ConfigError unless runs ``a`` and ``b`` can be compared on this job's ranks."""
-    pipeline_pair(f"{a.train.pipeline},{b.train.pipeline}")
-    for cfg in (a, b):
-        if cfg.ft.enable:
-            raise ConfigError("ft.enable: freescale verify trains both runs on the same ranks, without the replica "
-                              "layer (set ft.enable=false)")
-    for key in SHARED_BY_BOTH_RUNS:
-        section, name = key.split(".")
-        if getattr(getattr(a, section), name) != getattr(getattr(b, section), name):
-            raise ConfigError(f"{key}: both runs share the job's {', '.join(SHARED_BY_BOTH_RUNS)}; run B cannot "
-                              f"change them")
 
 
 class Difference(NamedTuple):

@@ -2,12 +2,16 @@
 the first difference it names, the pipelines it accepts, and its verdict."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from freescale.config import ConfigError
-from freescale.train.verify import Difference, Verdict, compare, earliest, pipeline_pair, print_verdict
+from freescale.train.pairs import TABLES_OF, pipeline_pair
+from freescale.train.verify import Difference, Verdict, compare, earliest, print_verdict
+from helpers.launch import REPO
 
 
 def state(weight, momentum=None, dense=None):
@@ -172,3 +176,35 @@ def test_pipeline_pairs():
     assert pipeline_pair("sync,prioritized") == ("sync", "prioritized")
     assert pipeline_pair("sparse_dist, base") == ("sparse_dist", "base")
     assert pipeline_pair("prioritized,sync") == ("prioritized", "sync")
+
+
+def test_each_pipelines_tables_are_named_as_its_class_names_them():
+    from typing import get_args, get_type_hints
+
+    from freescale.config import TrainConfig
+    from freescale.train.pipelines import PIPELINES
+
+    assert set(TABLES_OF) == set(PIPELINES) == set(get_args(get_type_hints(TrainConfig)["pipeline"]))
+    assert TABLES_OF == {name: cls.table_kind.description for name, cls in PIPELINES.items()}
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["--pipelines=sync,base"], "--pipelines: sync trains FreeScale's own tables and base TorchRec's tables"),
+    (["--ft.enable=true"], "ft.enable: freescale verify trains both runs on the same ranks"),
+    (["--set-b", "run.threads=3"], "run.threads: both runs share the job's"),
+    (["--tolerance=-1"], "--tolerance: expected a number at least 0"),
+])
+def test_verify_refuses_bad_arguments_before_it_imports_torch(args, fragment):
+    # torch made unimportable: the command must have said what is wrong before it needed torch.
+    code = ("import importlib.abc, sys\n"
+            "class Blocked(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'torch':\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Blocked())\n"
+            "from freescale.cli import main\n"
+            f"main(['verify', '--config', {str(REPO / 'configs' / 'quickstart.yaml')!r}, *{args!r}])\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("freescale: error: ") and fragment in line
