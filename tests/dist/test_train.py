@@ -17,8 +17,30 @@ def run(tmp_path, name, *extra, nproc=2):
     return run_dir
 
 
-def test_two_rank_training_writes_its_run_folder(tmp_path):
-    run_dir = run(tmp_path, "two", "--train.steps=6")
+# The prioritized run checkpoints at steps 2, 4 and 6: a drain before each, which must not
+# change its numbers (the resume test compares a run without them against it).
+STRAIGHT = {"sparse_dist": ["--train.steps=6", "--train.pipeline=sparse_dist"],
+            "prioritized": ["--train.steps=6", "--train.pipeline=prioritized", "--checkpoint.every=2",
+                            "--checkpoint.keep=3"]}
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """An uninterrupted 6-step run of each pipeline, made once for the tests that read it: its
+    folder, and its losses and last evaluation as it finished (a test may resume in it later)."""
+    made = {}
+
+    def get(pipeline):
+        if pipeline not in made:
+            run_dir = run(tmp_path_factory.mktemp("straight"), pipeline, *STRAIGHT[pipeline])
+            made[pipeline] = run_dir, train_losses(run_dir), [r for r in metrics(run_dir) if "eval/auc" in r][-1]
+        return made[pipeline]
+
+    return get
+
+
+def test_two_rank_training_writes_its_run_folder(straight):
+    run_dir, _, _ = straight("sparse_dist")
     losses = train_losses(run_dir)
     assert sorted(losses) == [1, 2, 3, 4, 5, 6]
     assert all(math.isfinite(x) and x > 0 for x in losses.values())
@@ -33,11 +55,11 @@ def test_two_rank_training_writes_its_run_folder(tmp_path):
 
 
 @pytest.mark.parametrize("pipeline", ["sparse_dist", "prioritized"])
-def test_resume_trains_only_the_remaining_steps_from_the_checkpoint(tmp_path, pipeline):
+def test_resume_trains_only_the_remaining_steps_from_the_checkpoint(tmp_path, straight, pipeline):
     # The prioritized pipeline drains its deferred updates into the tables before a checkpoint,
     # and saves them as row-sharded DTensors; a resumed run goes on bit for bit alike too.
     chosen = f"--train.pipeline={pipeline}"
-    straight = run(tmp_path, "straight", "--train.steps=6", chosen)
+    _, expected, last_eval = straight(pipeline)
     first = run(tmp_path, "first", "--train.steps=3", chosen)
     proc = check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=6", chosen,
                           f"--checkpoint.resume={first}"))
@@ -50,10 +72,9 @@ def test_resume_trains_only_the_remaining_steps_from_the_checkpoint(tmp_path, pi
     assert steps == [1, 2, 3, 4, 5, 6]
     # Bitwise: same model, optimizer state, data cursor and RNG as the uninterrupted run; step 4's
     # loss is the resumed weights' loss on batch 4 (a fresh model would not give it).
-    expected, resumed = train_losses(straight), train_losses(first)
+    resumed = train_losses(first)
     assert [resumed[s] for s in range(1, 7)] == [expected[s] for s in range(1, 7)]
-    final = lambda d: [r for r in metrics(d) if "eval/auc" in r][-1]  # noqa: E731
-    assert final(first)["eval/auc"] == final(straight)["eval/auc"]
+    assert [r for r in metrics(first) if "eval/auc" in r][-1]["eval/auc"] == last_eval["eval/auc"]
     assert sorted(p.name for p in (first / "checkpoints").iterdir()) == ["step_00000003", "step_00000006"]
 
 
@@ -71,13 +92,11 @@ def test_checkpoints_are_pruned_and_an_older_one_resumes(tmp_path):
     assert sorted(p.name for p in (every / "checkpoints").iterdir()) == ["step_00000004", "step_00000005"]
 
 
-def test_a_prioritized_run_resumes_bitwise_from_a_checkpoint_taken_mid_run(tmp_path):
+def test_a_prioritized_run_resumes_bitwise_from_a_checkpoint_taken_mid_run(straight):
     # No evaluation at step 2: only the drain before the checkpoint puts batch 2's deferred
     # updates (rows batch 3 does not read) into the saved tables.
-    chosen = ["--train.pipeline=prioritized", "--train.steps=6", "--checkpoint.every=2", "--checkpoint.keep=3"]
-    run_dir = run(tmp_path, "mid", *chosen)
-    before = train_losses(run_dir)
-    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *chosen,
+    run_dir, before, _ = straight("prioritized")
+    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *STRAIGHT["prioritized"],
                    f"--checkpoint.resume={run_dir / 'checkpoints' / 'step_00000002'}"))
     assert [r["step"] for r in metrics(run_dir) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
     assert train_losses(run_dir) == before
