@@ -62,7 +62,11 @@ fi
 
 stamp_text="$BUILD $TORCH ${TORCH_INDEX[*]} $FBGEMM $TORCHFT $TORCHREC ${TORCHREC_DEPS[*]} ${TOOLS[*]} $TORCHX ${TORCHX_DEPS[*]} editable"
 stamp="$venv/.freescale-stamp"
+# FreeScale's own modules compiled ahead: where PYTHONDONTWRITEBYTECODE is set, no process
+# writes their bytecode, and every rank, agent and CLI call would compile them anew.
+precompile() { "$venv/bin/python" -m compileall -q "$root/freescale" >/dev/null; }
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$stamp_text" ] && "$venv/bin/python" -c "import freescale" 2>/dev/null; then
+  precompile
   exit 0
 fi
 
@@ -76,20 +80,16 @@ if [ "$BUILD" = cuda ] && ! "$venv/bin/python" -c "import torch, sys; sys.exit(0
   echo "[setup] nvidia-smi sees a GPU but the installed $TORCH is a CPU build; set FREESCALE_TORCH_INDEX to a CUDA wheel index (e.g. https://download.pytorch.org/whl/cu128) and run again" >&2
   exit 1
 fi
-echo "[setup] installing $FBGEMM $TORCHFT" >&2
-"${pip[@]}" "$FBGEMM" "$TORCHFT"
-echo "[setup] installing $TORCHREC and its dependencies" >&2
-"${pip[@]}" --no-deps "$TORCHREC"
-"${pip[@]}" "${TORCHREC_DEPS[@]}" "$TORCH"
-echo "[setup] installing tools and freescale (editable)" >&2
-"${pip[@]}" "${TOOLS[@]}" "$TORCH"
-echo "[setup] installing $TORCHX" >&2
-"${pip[@]}" --no-deps "$TORCHX"
-"${pip[@]}" "${TORCHX_DEPS[@]}" "$TORCH"
-"${pip[@]}" --no-deps -e "$root"
+# Everything else in two resolves: the packages with their dependencies (torch pinned), then
+# the ones installed without theirs (see above) and FreeScale itself.
+echo "[setup] installing $FBGEMM $TORCHFT, TorchRec's and TorchX's dependencies and the tools" >&2
+"${pip[@]}" "$FBGEMM" "$TORCHFT" "${TORCHREC_DEPS[@]}" "${TOOLS[@]}" "${TORCHX_DEPS[@]}" "$TORCH"
+echo "[setup] installing $TORCHREC and $TORCHX (--no-deps) and freescale (editable)" >&2
+"${pip[@]}" --no-deps "$TORCHREC" "$TORCHX" -e "$root"
 "$venv/bin/python" -c "import torchrec, fbgemm_gpu, torchft, torch.utils.tensorboard, torchx.specs, torchx.schedulers.local_scheduler" >&2
 if [ "$BUILD" = cuda ]; then
   "$venv/bin/python" -c "import torch, fbgemm_gpu; assert torch.cuda.is_available(), 'torch sees no GPU'; print('[setup] CUDA', torch.version.cuda, torch.cuda.get_device_name(0))" >&2
 fi
+precompile
 echo "$stamp_text" > "$stamp"
 echo "[setup] done" >&2
