@@ -526,8 +526,14 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _export(args) -> None:
+    from freescale.serve.checks import ExportError, check_export
+
+    try:  # (from the files alone, before torch is imported)
+        check_export(args.run_dir, args.out, args.step, args.quantize)
+    except ExportError as e:
+        _fail(str(e))
     from freescale.data.readers import DataError
-    from freescale.serve.export import ExportError, export
+    from freescale.serve.export import export
 
     try:
         manifest = export(args.run_dir, args.out, step=args.step, quantize=args.quantize)
@@ -545,9 +551,14 @@ def _export(args) -> None:
 
 
 def _serve_bench(args) -> None:
+    from freescale.serve.checks import ExportError, check_bench
+
+    try:  # (before torch is imported)
+        check_bench(args.export_dir, args.batch_sizes, args.threads)
+    except ExportError as e:
+        _fail(str(e))
     from freescale.io import write_json_atomic
     from freescale.serve.bench import bench, format_result
-    from freescale.serve.export import ExportError
 
     try:
         result = bench(args.export_dir, args.batch_sizes, threads=args.threads)

@@ -23,7 +23,8 @@ import torch
 
 from freescale.config import load_config
 from freescale.progress import bar
-from freescale.serve.export import ExportError, held_out, heldout_metrics
+from freescale.serve.checks import check_bench, check_export_folder
+from freescale.serve.export import held_out, heldout_metrics
 
 WARMUP = 3  # requests before timing (allocator, first calls into fbgemm)
 TOP_K = 10  # items a retrieval request asks for
@@ -31,9 +32,8 @@ TOP_K = 10  # items a retrieval request asks for
 
 def load_export(folder: str):
     """The export in ``folder``, loaded by its own ``serve.py``."""
+    check_export_folder(folder)
     path = os.path.join(folder, "serve.py")
-    if not os.path.isfile(os.path.join(folder, "manifest.json")) or not os.path.isfile(path):
-        raise ExportError(f"not an export folder (no manifest.json and serve.py): {folder}")
     spec = importlib.util.spec_from_file_location(f"freescale_export_{abs(hash(folder))}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -119,11 +119,8 @@ def retrieval_accuracy(model, batches: list, ks: list[int], exclude_history: boo
 
 
 def bench(folder: str, batch_sizes: list[int], threads: int | None = None, log=print) -> dict:
-    if any(b < 1 for b in batch_sizes):
-        raise ExportError(f"--batch-sizes: expected sizes >= 1, got {batch_sizes}")
+    check_bench(folder, batch_sizes, threads)
     if threads is not None:
-        if threads < 1:
-            raise ExportError(f"--threads: expected at least 1, got {threads}")
         torch.set_num_threads(threads)
     model = load_export(folder)
     manifest = model.manifest

@@ -41,22 +41,16 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from freescale.config import ConfigError, ExperimentConfig, dump_yaml, load_config, to_dict
+from freescale.config import ExperimentConfig, dump_yaml, to_dict
 from freescale.data.batch import CANDIDATE_FEATURE, UIH_FEATURE, USER_FEATURE
 from freescale.data.features import label_names
 from freescale.model.seqrec import ITEM_TABLE, USER_TABLE, SeqRecModel, SeqRecTask, task_settings
 from freescale.progress import bar
 from freescale.serve import standalone
+from freescale.serve.checks import QUANTIZATIONS, ExportError, check_destination, exportable_config, find_checkpoint
 from freescale.serve.dense import ServingDense
-from freescale.train.checkpoint import list_checkpoints
 
-QUANTIZATIONS = {"fp32": "FP32", "fp16": "FP16", "int8": "INT8", "int4": "INT4"}
-"""``--quantize`` -> TorchRec's ``DataType`` name."""
 FORMAT = "freescale-export/1"
-
-
-class ExportError(Exception):
-    """Bad input to ``freescale export`` (one line, exit status 2)."""
 
 
 @dataclass
@@ -71,36 +65,10 @@ class Trained:
     task_state: dict[str, torch.Tensor]
 
 
-def find_checkpoint(run_dir: str, step: int | None) -> tuple[int, str]:
-    """(step, folder) of the run's checkpoint at ``step`` (default: the newest)."""
-    if not os.path.isdir(run_dir):
-        raise ExportError(f"run folder not found: {run_dir}")
-    if not os.path.isfile(os.path.join(run_dir, "config.yaml")):
-        raise ExportError(f"not a run folder (no config.yaml): {run_dir}")
-    found = list_checkpoints(os.path.join(run_dir, "checkpoints"))
-    if not found:
-        raise ExportError(f"no checkpoint in {run_dir} (expected {run_dir}/checkpoints/step_N; train with "
-                          "checkpoint.every or checkpoint.at_end)")
-    if step is None:
-        return found[-1]
-    for s, path in found:
-        if s == step:
-            return s, path
-    raise ExportError(f"--step {step}: no checkpoint of that step in {run_dir} (steps: "
-                      f"{', '.join(str(s) for s, _ in found)})")
-
-
 def read_trained(run_dir: str, step: int | None = None) -> Trained:
     """The checkpoint's tables and dense state, whole (no process group needed)."""
     step, path = find_checkpoint(run_dir, step)
-    try:
-        cfg = load_config(os.path.join(run_dir, "config.yaml"))
-    except ConfigError as e:
-        raise ExportError(f"{run_dir}/config.yaml: {e}") from None
-    if cfg.model.side_features:
-        names = ", ".join(f.name for f in cfg.model.side_features)
-        raise ExportError(f"{run_dir}: the model reads side features ({names}); serving does not feed them yet, "
-                          f"so it cannot be exported")
+    cfg = exportable_config(run_dir)
     try:
         meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as e:
@@ -262,13 +230,6 @@ def export(run_dir: str, out: str, *, step: int | None = None, quantize: str = "
         return write_export(trained, model.task, metrics, out, quantize, phases)
     finally:
         phases.close()
-
-
-def check_destination(out: str, quantize: str) -> None:
-    if quantize not in QUANTIZATIONS:
-        raise ExportError(f"--quantize: expected one of {', '.join(QUANTIZATIONS)}, got {quantize!r}")
-    if os.path.exists(out) and (not os.path.isdir(out) or os.listdir(out)):
-        raise ExportError(f"--out {out} exists and is not an empty folder (choose another, or remove it)")
 
 
 def item_vectors(task: nn.Module, specs: list[dict], weights: dict) -> torch.Tensor:

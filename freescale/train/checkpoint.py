@@ -19,10 +19,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from freescale.config import CheckpointConfig
+from freescale.train.folders import list_checkpoints
 from freescale.train.state import TrainingState
-
-_STEP_DIR = re.compile(r"^step_(\d+)$")
-
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be found or read; the message is one line naming the path."""
@@ -30,18 +28,6 @@ class CheckpointError(RuntimeError):
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
-
-
-def list_checkpoints(root: str) -> list[tuple[int, str]]:
-    """Complete checkpoints under ``root`` as (step, path), oldest first."""
-    if not os.path.isdir(root):
-        return []
-    found = []
-    for name in os.listdir(root):
-        m = _STEP_DIR.match(name)
-        if m and os.path.exists(os.path.join(root, name, ".metadata")):
-            found.append((int(m.group(1)), os.path.join(root, name)))
-    return sorted(found)
 
 
 def resolve_checkpoint(path: str) -> str:

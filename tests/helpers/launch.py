@@ -57,6 +57,21 @@ def start_freescale(*args: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def freescale_without_torch(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    """``freescale ARGS`` in a process where torch cannot be imported: what a command can say
+    before it needs torch (bad arguments, files) is said the same there."""
+    code = ("import importlib.abc, sys\n"
+            "class Blocked(importlib.abc.MetaPathFinder):\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] == 'torch':\n"
+            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+            "sys.meta_path.insert(0, Blocked())\n"
+            "from freescale.cli import main\n"
+            f"main({list(args)!r})\n")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 300, cpus: set[int] | None = None) -> subprocess.CompletedProcess:
     """``torchrun --standalone --nproc_per_node=N -m freescale ARGS`` (``cpus``: the cores it and
     its ranks run on)."""

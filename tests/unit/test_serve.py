@@ -167,3 +167,36 @@ def test_an_export_that_fails_midway_leaves_nothing_behind(tmp_path, monkeypatch
     assert sorted(os.listdir(root)) == (["fp32"] if out_exists else [])
     if out_exists:
         assert os.listdir(root / "fp32") == []
+
+
+def test_export_and_serve_bench_refuse_bad_input_before_they_import_torch(tmp_path):
+    # torch made unimportable: each mistake below is one line and exit 2 all the same. The run
+    # folder is files only: its config and a checkpoint folder of step 3 (its .metadata).
+    from freescale.config import dump_yaml, load_config
+    from helpers.launch import QUICKSTART, freescale_without_torch
+
+    run, sided, taken, empty = (tmp_path / name for name in ("run", "sided", "taken", "empty"))
+    for folder, overrides in ((run, []), (sided, ["--data.synthetic.item_features=true",
+                                                  "--model.side_features=[{name: item:cluster}]"])):
+        (folder / "checkpoints" / "step_00000003").mkdir(parents=True)
+        (folder / "checkpoints" / "step_00000003" / ".metadata").write_bytes(b"")
+        (folder / "config.yaml").write_text(dump_yaml(load_config(QUICKSTART, overrides)))
+    taken.mkdir()
+    (taken / "a").write_text("")
+    empty.mkdir()
+    out = str(tmp_path / "out")
+    for args, fragment in [
+        (["export", str(tmp_path / "missing"), "--out", out], "run folder not found"),
+        (["export", str(empty), "--out", out], "not a run folder (no config.yaml)"),
+        (["export", str(run), "--out", out, "--step", "7"], "--step 7: no checkpoint of that step"),
+        (["export", str(run), "--out", out, "--quantize", "int3"], "--quantize: expected one of fp32"),
+        (["export", str(run), "--out", str(taken)], "exists and is not an empty folder"),
+        (["export", str(sided), "--out", out], "the model reads side features (item:cluster)"),
+        (["serve-bench", str(empty)], "not an export folder"),
+        (["serve-bench", str(empty), "--batch-sizes", "0"], "--batch-sizes: expected sizes >= 1"),
+    ]:
+        proc = freescale_without_torch(*args)
+        assert proc.returncode == 2, (args, proc.stderr[-2000:])
+        (line,) = proc.stderr.strip().splitlines()
+        assert line.startswith("freescale: error: ") and fragment in line, (args, line)
+    assert not os.path.exists(out)

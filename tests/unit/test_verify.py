@@ -2,8 +2,6 @@
 the first difference it names, the pipelines it accepts, and its verdict."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -11,7 +9,7 @@ import torch
 from freescale.config import ConfigError
 from freescale.train.pairs import TABLES_OF, pipeline_pair
 from freescale.train.verify import Difference, Verdict, compare, earliest, print_verdict
-from helpers.launch import REPO
+from helpers.launch import REPO, freescale_without_torch
 
 
 def state(weight, momentum=None, dense=None):
@@ -196,15 +194,7 @@ def test_each_pipelines_tables_are_named_as_its_class_names_them():
 ])
 def test_verify_refuses_bad_arguments_before_it_imports_torch(args, fragment):
     # torch made unimportable: the command must have said what is wrong before it needed torch.
-    code = ("import importlib.abc, sys\n"
-            "class Blocked(importlib.abc.MetaPathFinder):\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] == 'torch':\n"
-            "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
-            "sys.meta_path.insert(0, Blocked())\n"
-            "from freescale.cli import main\n"
-            f"main(['verify', '--config', {str(REPO / 'configs' / 'quickstart.yaml')!r}, *{args!r}])\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = freescale_without_torch("verify", "--config", str(REPO / "configs" / "quickstart.yaml"), *args)
     assert proc.returncode == 2, proc.stderr[-2000:]
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("freescale: error: ") and fragment in line
