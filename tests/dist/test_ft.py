@@ -163,19 +163,22 @@ def test_every_group_killed_at_once_resumes_from_the_newest_checkpoint(tmp_path)
 
 def test_groups_on_prepared_parquet_data_lose_no_sample_across_a_kill(tmp_path):
     # Two groups of one rank on a prepared dataset of 300 samples (row groups of 24, files of 50:
-    # every epoch crosses them all); group 1 is killed once it has trained 10 batches of its
-    # shard, catches up from group 0 and finishes. The reference is the files' own ids, read
-    # with pyarrow: batch k holds positions 16k .. 16k+15 (mod 300), group g trains k = g, g+2, ...
+    # every epoch crosses them all; 120 steps of both groups are 12 epochs); group 1 is killed
+    # once it has trained 10 batches of its shard, catches up from group 0 and finishes. Group 0
+    # holds at step 60 until group 1 is back in the step, so the restart finds a live group
+    # however long it takes. The reference is the files' own ids, read with pyarrow: batch k
+    # holds positions 16k .. 16k+15 (mod 300), group g trains k = g, g+2, ...
     from helpers.prepared import batches_of, train_ids, write_synthetic_prepared
 
     data = write_synthetic_prepared(tmp_path / "data", FT_LOCAL, [], n_train=300)
     run = tmp_path / "run"
     proc, summary = local(run, "--replicas", "2", "--nproc", "1", "--kill", "1@10", "--data.source=parquet",
-                          f"--data.path={data}", "--train.steps=300", "--checkpoint.at_end=true")
+                          f"--data.path={data}", "--faults=[{at_step: 60, during: vote, kind: hold, replicas: [0]}]",
+                          "--train.steps=120", "--checkpoint.at_end=true")
     check(proc)
     assert [f["cause"] for f in summary["groups"][1]["failures"]] == ["killed"]
     ids = train_ids(data)
-    assert_exactly_once(run, summary, 300, batch_ids=lambda k: batches_of(ids, [k], 16)[k])
+    assert_exactly_once(run, summary, 120, batch_ids=lambda k: batches_of(ids, [k], 16)[k])
 
 
 def test_the_survivors_of_a_hung_group_go_on_within_two_seconds_and_it_catches_up_when_it_wakes(tmp_path):
