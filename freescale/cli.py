@@ -1,7 +1,7 @@
 """``freescale`` command line: each subcommand loads the config and calls one library function.
 
-    freescale train  --config PATH [--section.key=value ...]
-    freescale verify --config PATH [--pipelines A,B] [--set-b K=V]   two pipelines, bit for bit
+    freescale train  --config PATH [--nproc N] [--section.key=value ...]
+    freescale verify --config PATH [--nproc N] [--pipelines A,B] [--set-b K=V]   two pipelines, bit for bit
     freescale report RUN_DIR [RUN_DIR_B]                          bubble report (or B against A)
     freescale calibrate --config PATH [--out PATH]               fit the per-sample cost model
     freescale balance --lengths X.npy --ranks N [--partition P]  partition quality of a global batch
@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import time
+import uuid
 
 from freescale.config import TOP_LEVEL_KEYS, ConfigError, describe, dump_yaml, load_config
 from freescale.errors import first_line
@@ -61,10 +62,12 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--repeats", type=int, default=5, help="timed repetitions per grid point")
     ver = sub.add_parser("verify", help="train the same data with two pipelines (default: sync and prioritized) and "
                          "compare every step's loss and all state; exit 0 only if bitwise equal (or within --tolerance)",
-                         epilog="Any config key can be overridden as --section.key=value (both runs). Runs standalone "
+                         epilog="Any config key can be overridden as --section.key=value (both runs). Runs standalone, with --nproc, "
                          "or under torchrun. Not under the replica layer (ft.enable).")
     ver.add_argument("--config", required=True, help="experiment YAML file")
     ver.add_argument("--steps", type=int, default=20, help="steps to train each way (default 20)")
+    ver.add_argument("--nproc", type=int, default=0, metavar="N",
+                     help="N ranks on this host, as train --nproc starts them (default: standalone, or torchrun's ranks)")
     ver.add_argument("--pipelines", default="sync,prioritized", metavar="A,B",
                      help="the two pipelines to compare, over the same kind of tables: sync and prioritized "
                           "(FreeScale's own), or sparse_dist, base and pec (TorchRec's) (default sync,prioritized)")
@@ -294,10 +297,16 @@ def _fail_once(message: str) -> None:
 _SAID_WAIT_S = 60.0
 
 
-def _launch(nproc: int, argv: list[str]) -> None:
-    """``freescale train --nproc N``: the config was checked here; torchrun's launcher now starts
-    N ranks of ``freescale train`` on this host, in this process. A rank that fails has said why
-    (one line); this exits with its status, without torchrun's own report of it."""
+def _launch(nproc: int, argv: list[str], cfg) -> None:
+    """``freescale train|verify --nproc N``: the config was checked here; torchrun's launcher now
+    starts N ranks of the command on this host, in this process. A rank that fails has said why
+    (one line); this exits with its status, without torchrun's own report of it.
+
+    On CPU the ranks are forked from this process once it has imported what a rank imports
+    (``RANK_IMPORTS``): each starts with torch, TorchRec, fbgemm and the trainer in memory
+    instead of importing them again, about 4 s of CPU a rank. A run that may use CUDA starts
+    its ranks as fresh processes, as ``torchrun -m freescale`` does: CUDA does not survive a
+    fork (``forks_ranks``)."""
     import logging
 
     if nproc < 1:
@@ -306,14 +315,30 @@ def _launch(nproc: int, argv: list[str]) -> None:
         _fail("--nproc: this is already a rank of a torchrun job (drop --nproc under torchrun)")
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
+    from torch.distributed.launcher.api import elastic_launch
+    from torch.distributed.run import config_from_args, get_args_parser, run
 
-    for name in list(logging.root.manager.loggerDict):  # (torchrun's agent logs its banner, each rank's exit)
+    levels = {}  # (torchrun's agent logs its banner, each rank's exit; a forked rank gets these back)
+    for name in list(logging.root.manager.loggerDict):
         if name.startswith("torch.distributed"):
+            levels[name] = logging.getLogger(name).level
             logging.getLogger(name).setLevel(logging.CRITICAL)
     ranks = _without_nproc(argv)
+    fork = forks_ranks(cfg)
+    args = get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}",
+                                         *(["--start-method=fork"] if fork else []), "-m", "freescale", *ranks])
     try:
-        run(get_args_parser().parse_args(["--standalone", f"--nproc_per_node={nproc}", "-m", "freescale", *ranks]))
+        if fork:
+            import importlib
+
+            for name in RANK_IMPORTS:
+                importlib.import_module(name)
+            # What torch.distributed.run.run does with --standalone, the entrypoint being a function.
+            args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+            config, _, _ = config_from_args(args)
+            elastic_launch(config=config, entrypoint=_forked_rank)(ranks, levels)
+        else:
+            run(args)
     except ChildFailedError as e:
         # A rank that exited with a status said why; the others may then have been stopped by
         # torchrun's signal, and a stopped rank can sort first.
@@ -326,6 +351,39 @@ def _launch(nproc: int, argv: list[str]) -> None:
     except SignalException as e:  # (torchrun's agent stopped the ranks first)
         print(f"freescale: stopped by {signal.Signals(e.sigval).name}, and the ranks with it", file=sys.stderr)
         sys.exit(128 + int(e.sigval))
+
+
+RANK_IMPORTS = ("freescale.train.trainer", "freescale.train.verify", "torchrec.metrics.auc", "numpy.ma",
+                "torch.distributed.optim")
+"""What a rank of ``train`` or ``verify`` imports, some of it only once it runs (the evaluation's
+metrics, the optimizers): ``--nproc`` on CPU imports it in the launcher, before forking the ranks."""
+
+
+def forks_ranks(cfg) -> bool:
+    """Whether ``--nproc`` forks the ranks from the launcher: when the run is on CPU
+    (``run.device: cpu``, or ``auto`` with a torch built without CUDA). A CUDA process that forks
+    after CUDA is initialized gives children that cannot use it, and importing TorchRec and
+    fbgemm may initialize it."""
+    import torch
+
+    return cfg.run.device == "cpu" or (cfg.run.device == "auto" and not torch.backends.cuda.is_built())
+
+
+def _forked_rank(argv: list[str], levels: dict[str, int]) -> None:
+    """A rank forked by ``_launch``: the command, ended as ``run`` ends it. It starts with the
+    launcher's signal handlers (torchrun's agent turns SIGTERM into an exception, which a rank
+    blocked in a collective would never see) and its quieted loggers: both are put back first.
+    A failure ends the process with its status; a rank that passed returns, for torchrun's
+    agent to collect."""
+    import logging
+
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    for name, level in levels.items():
+        logging.getLogger(name).setLevel(level)
+    code = _finish(_status(argv))
+    if code:
+        os._exit(code)
 
 
 def _without_nproc(argv: list[str]) -> list[str]:
@@ -458,26 +516,44 @@ def run(argv: list[str] | None = None) -> None:
     flush, weakref finalizers, torch's own), and the streams are flushed. An exception that
     escapes ``main`` ends the process as usual, with its traceback.
     """
-    import atexit
-    import threading
+    os._exit(_finish(_status(argv, catch=False)))
+
+
+def _status(argv: list[str] | None, catch: bool = True) -> int:
+    """``main(argv)``'s exit status; ``catch``: an exception that escapes it is printed and is status 1."""
+    import traceback
 
     try:
         main(argv)
-        code = 0
+        return 0
     except SystemExit as e:
         code = e.code
+    except Exception:
+        if not catch:
+            raise
+        traceback.print_exc()
+        return 1
     if code is None:
-        code = 0
-    elif not isinstance(code, int):
+        return 0
+    if not isinstance(code, int):
         print(code, file=sys.stderr)
-        code = 1
+        return 1
+    return code
+
+
+def _finish(code: int) -> int:
+    """What a normal exit does before Python's teardown: the threads still running are waited
+    for, the exit handlers run, the streams are flushed. Returns ``code``."""
+    import atexit
+    import threading
+
     for thread in threading.enumerate():
         if thread is not threading.current_thread() and not thread.daemon:
             thread.join()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -498,7 +574,7 @@ def main(argv: list[str] | None = None) -> None:
         _prepare(args, extra)
         return
     if args.command == "verify":
-        _verify(args, extra)
+        _verify(args, extra, sys.argv[1:] if argv is None else argv)
         return
     try:
         cfg = load_config(args.config, _split_overrides(extra))
@@ -520,7 +596,7 @@ def main(argv: list[str] | None = None) -> None:
         return
 
     if args.nproc:
-        _launch(args.nproc, sys.argv[1:] if argv is None else argv)
+        _launch(args.nproc, sys.argv[1:] if argv is None else argv, cfg)
         return
     _train(cfg)
 
@@ -600,7 +676,7 @@ def _local(args, extra: list[str]) -> None:
     sys.exit(0 if succeeded(summary) else EXIT_FAILED)
 
 
-def _verify(args, extra: list[str]) -> None:
+def _verify(args, extra: list[str], argv: list[str]) -> None:
     from freescale.train.pairs import check_runs, pipeline_pair
 
     # The arguments and both configs first, from the files alone: a mistake is one line before
@@ -623,6 +699,9 @@ def _verify(args, extra: list[str]) -> None:
         check_runs(cfg_a, cfg_b)
     except ConfigError as e:
         _fail(str(e))
+    if args.nproc:
+        _launch(args.nproc, argv, cfg_a)
+        return
 
     import torch.distributed as dist
 

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from freescale.local import descendants
 from helpers.launch import QUICKSTART, REPO, freescale, torchrun
 
 
@@ -248,6 +249,11 @@ def test_a_sigterm_to_freescale_train_nproc_stops_its_ranks_and_says_so_in_one_l
         while not (run_dir / "metrics.jsonl").exists() and time.monotonic() < deadline:  # (the ranks train)
             time.sleep(0.2)
         assert (run_dir / "metrics.jsonl").exists()
+        # On CPU the ranks are forked from the launcher: each has its command line, where a rank
+        # started afresh would run the command without --nproc.
+        ranks = descendants(proc.pid)
+        assert len(ranks) == 2 and all(_cmdline(pid) == _cmdline(proc.pid) for pid in ranks), \
+            [_cmdline(pid) for pid in [proc.pid, *ranks]]
         proc.send_signal(signal.SIGTERM)
         out, err = proc.communicate(timeout=120)
     finally:
@@ -260,6 +266,45 @@ def test_a_sigterm_to_freescale_train_nproc_stops_its_ranks_and_says_so_in_one_l
     assert left == [], left  # no rank outlives the command
 
 
+def _cmdline(pid: int) -> list[str]:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().decode().split("\0")
+
+
+@pytest.mark.parametrize("device, cuda_built, forks", [
+    ("cpu", True, True), ("auto", False, True), ("auto", True, False), ("cuda", True, False), ("cuda", False, False)])
+def test_nproc_forks_the_ranks_only_where_no_rank_can_use_cuda(monkeypatch, device, cuda_built, forks):
+    import torch
+
+    from freescale import cli
+    from freescale.config import load_config
+
+    monkeypatch.setattr(torch.backends.cuda, "is_built", lambda: cuda_built)
+    assert cli.forks_ranks(load_config(str(QUICKSTART), [f"--run.device={device}"])) is forks
+
+
+def test_a_forked_rank_puts_back_the_signal_handlers_and_logger_levels_it_inherited(tmp_path):
+    # As the launcher's agent leaves them: SIGTERM and its kin raise an exception, torch.distributed's
+    # loggers are quiet. The rank runs its command (here `config`) with the defaults and the levels back.
+    code = ("import logging, signal, sys\n"
+            "from freescale import cli\n"
+            "SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)\n"
+            "def agent(signum, frame):\n"
+            "    raise RuntimeError(signum)\n"
+            "for sig in SIGNALS:\n"
+            "    signal.signal(sig, agent)\n"
+            "logging.getLogger('torch.distributed.elastic').setLevel(logging.CRITICAL)\n"
+            "cli._forked_rank(['config', '--config', sys.argv[1], '--train.steps=7'], {'torch.distributed.elastic': 30})\n"
+            "print([signal.getsignal(sig) is signal.SIG_DFL for sig in SIGNALS],"
+            " logging.getLogger('torch.distributed.elastic').level)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(QUICKSTART)], cwd=REPO, env=_plain_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "steps: 7" in proc.stdout  # (the command ran)
+    assert proc.stdout.strip().splitlines()[-1] == "[True, True, True, True] 30", proc.stdout[-500:]
+
+
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh"])
 @pytest.mark.parametrize("failures, status, said", [
     # Rank 1 found the bad data and exited 2; torchrun then stopped rank 0 with SIGTERM before
     # rank 0 exited with its own 2. The command exits with the status a rank gave, in silence.
@@ -269,19 +314,30 @@ def test_a_sigterm_to_freescale_train_nproc_stops_its_ranks_and_says_so_in_one_l
     ({0: -9, 1: -15}, 1, "freescale: error: rank 0 ended by signal 9 (pid 100)\n"),
 ])
 def test_launch_exits_with_the_status_a_rank_gave_even_when_a_stopped_rank_sorts_first(
-        monkeypatch, capsys, failures, status, said):
+        monkeypatch, capsys, failures, status, said, fork):
+    # Both ways of starting the ranks: forked (torchrun's agent with a function entrypoint) and
+    # fresh processes (torchrun's own run).
+    import torch.distributed.launcher.api
     import torch.distributed.run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     from freescale import cli
+    from freescale.config import load_config
 
-    def run(_args):
+    called = []
+
+    def failed(how):
+        called.append(how)
         raise ChildFailedError("freescale", {rank: ProcessFailure(rank, 100 + rank, code, "<none>")
                                              for rank, code in failures.items()})
 
-    monkeypatch.setattr(torch.distributed.run, "run", run)
+    monkeypatch.setattr(torch.distributed.launcher.api, "elastic_launch",
+                        lambda config, entrypoint: lambda *args: failed("forked"))
+    monkeypatch.setattr(torch.distributed.run, "run", lambda args: failed("fresh"))
+    monkeypatch.setattr(cli, "forks_ranks", lambda cfg: fork)
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     with pytest.raises(SystemExit) as stop:
-        cli._launch(2, ["train", "--nproc", "2", "--config", str(QUICKSTART)])
+        cli._launch(2, ["train", "--nproc", "2", "--config", str(QUICKSTART)], load_config(str(QUICKSTART), []))
+    assert called == ["forked" if fork else "fresh"]
     assert stop.value.code == status
     assert capsys.readouterr().err == said
