@@ -1,7 +1,8 @@
 """``freescale local``: a lighthouse and R replica groups of N ranks on this host, with kills.
 
-Each replica group is one ``torchrun`` job (its own process session, so a kill takes the agent
-and all its ranks, as a lost host would), training into ``<run>/replica<r>/``. The launcher
+Each replica group is one ``freescale train --nproc N`` process, torchrun's launcher and its
+ranks (its own process session, so a kill takes the agent and all its ranks, as a lost host
+would), training into ``<run>/replica<r>/``. The launcher
 watches every group's committed steps (its data cursor, ``ft_cursor.json``), SIGKILLs group R
 once it has trained S batches of its own shard (``--kill R@S``: S committed steps on its own
 data; a group that joins late catches up first, so the kill always lands on real work;
@@ -127,7 +128,7 @@ class Failure:
 
 @dataclass
 class Group:
-    """One replica group's torchrun job, across its restarts."""
+    """One replica group's launcher (``freescale train --nproc N``) and its ranks, across its restarts."""
 
     replica: int
     cmd: list[str]
@@ -150,7 +151,7 @@ class Group:
                                          start_new_session=True)
 
     def kill(self) -> None:
-        """SIGKILL the agent and every rank (torchrun starts each rank in a session of its own)."""
+        """SIGKILL the agent and every rank (a rank started as a fresh process is in a session of its own)."""
         for pid in [self.proc.pid, *descendants(self.proc.pid)]:
             try:
                 os.kill(pid, signal.SIGKILL)
@@ -249,8 +250,7 @@ def run_local(config: str, overrides: list[str], *, replicas: int, nproc: int, k
     groups = []
     for r in range(replicas):
         group_dir = os.path.join(run_dir, f"replica{r}")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "freescale", "train", "--config", config, *(f"--{o}" for o in overrides),
+        cmd = [sys.executable, "-m", "freescale", "train", f"--nproc={nproc}", "--config", config, *(f"--{o}" for o in overrides),
                *(f"--{o}" for o in ft), f"--ft.replica_id={r}", f"--ft.lighthouse={address}", f"--run.dir={group_dir}"]
         groups.append(Group(r, cmd, group_dir, os.path.join(run_dir, f"replica{r}.console.log"), env,
                             kills=[k.step for k in plan if k.replica == r], stops=[s for s in hangs if s.replica == r]))
