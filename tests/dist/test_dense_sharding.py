@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from freescale.model.dense_sharding import DenseReduction, FullyShard, ShardedReduction
 from freescale.profile.timeline import NullTimeline
 from freescale.train.verify import snapshot
-from helpers.launch import FAST, QUICKSTART, check, freescale, torchrun
+from helpers.launch import FAST, QUICKSTART, check, freescale, ranks
 from helpers.owned_tables import batches_of, build, train_through
 from helpers.spawn import run_ranks
 
@@ -154,7 +154,7 @@ def test_an_fsdp_run_checkpoints_resumes_and_exports_as_a_replicated_one(tmp_pat
 
     def train(name, *extra):
         run_dir = tmp_path / name
-        check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *chosen, f"--run.dir={run_dir}", *extra))
+        check(ranks(2, "train", "--config", str(QUICKSTART), *FAST, *chosen, f"--run.dir={run_dir}", *extra))
         return run_dir
 
     replicated = train("replicate")
@@ -165,7 +165,7 @@ def test_an_fsdp_run_checkpoints_resumes_and_exports_as_a_replicated_one(tmp_pat
     # Resumed from step 2, the run ends where it did, bit for bit.
     first = tmp_path / "first_step_6"
     shutil.copytree(last, first)
-    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *chosen, "--dense.sharding=fsdp",
+    check(ranks(2, "train", "--config", str(QUICKSTART), *FAST, *chosen, "--dense.sharding=fsdp",
                    f"--checkpoint.resume={sharded / 'checkpoints' / 'step_00000002'}"))
     _assert_equal(_checkpoint(first), _checkpoint(last))
     # The export gathers the whole dense part: the replicated run's.

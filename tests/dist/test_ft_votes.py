@@ -9,7 +9,7 @@ import torch
 
 from helpers.ft_runs import (FT_LOCAL, assert_exactly_once, assert_groups_agree, commits, differing,
                              final_state, local, logs)
-from helpers.launch import check, torchrun, train_losses
+from helpers.launch import check, ranks, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -131,7 +131,7 @@ def test_two_groups_of_own_tables_train_like_one_job_with_twice_the_batch(tmp_pa
     proc, summary = local(groups, "--replicas", "2", "--nproc", "1", "--ft.min_replicas=2", *steps)
     check(proc)
     one = tmp_path / "one"
-    check(torchrun(2, "train", "--config", FT_LOCAL, "--ft.enable=false", *steps, f"--run.dir={one}"))
+    check(ranks(2, "train", "--config", FT_LOCAL, "--ft.enable=false", *steps, f"--run.dir={one}"))
     reference = final_state(one, tmp_path)
     for r in range(2):
         got = final_state(groups / f"replica{r}", tmp_path)

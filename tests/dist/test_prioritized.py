@@ -14,7 +14,7 @@ from freescale.embedding.pipeline import build_owned_model
 from freescale.profile.timeline import NullTimeline
 from freescale.train.verify import snapshot
 from freescale.transport.base import HIGH, NORMAL
-from helpers.launch import FAST, QUICKSTART, REPO, check, freescale, metrics, torchrun
+from helpers.launch import FAST, QUICKSTART, REPO, check, freescale, metrics, ranks
 from helpers.owned_tables import ITEMS, SMALL, batches_of, build, train_through
 from helpers.spawn import run_ranks
 
@@ -304,7 +304,7 @@ def test_on_one_lane_the_schedule_is_the_same_with_every_exchange_on_lane_0():
 
 
 def test_verify_cli_is_bitwise_with_the_balancer_on(tmp_path):
-    proc = check(torchrun(2, "verify", "--config", str(QUICKSTART), *FAST, "--steps=20", "--balance.enable=true",
+    proc = check(ranks(2, "verify", "--config", str(QUICKSTART), *FAST, "--steps=20", "--balance.enable=true",
                           "--data.synthetic.num_items=512", timeout=600))
     assert "bitwise identical" in proc.stdout and "NOT" not in proc.stdout
     table = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
@@ -316,7 +316,7 @@ def test_verify_cli_is_bitwise_with_the_balancer_on(tmp_path):
                          ids=["ranking", "retrieval", "retrieval-shared-negatives"])
 def test_verify_cli_is_bitwise_with_hstu(task, extra):
     # HSTU's dropout masks are keyed by the samples (freescale.model.dropout), alike in both pipelines.
-    proc = check(torchrun(2, "verify", "--config", str(REPO / "configs" / "hstu_ranking.yaml"), *FAST, "--steps=6",
+    proc = check(ranks(2, "verify", "--config", str(REPO / "configs" / "hstu_ranking.yaml"), *FAST, "--steps=6",
                           "--balance.enable=true", f"--task.kind={task}", "--task.num_negatives=16",
                           "--data.synthetic.num_items=512", *extra, timeout=600))
     assert "bitwise identical" in proc.stdout and "NOT" not in proc.stdout
@@ -336,7 +336,7 @@ SIDE_DATA = ["--data.synthetic.user_features=true", "--data.synthetic.item_featu
 def test_verify_cli_is_bitwise_with_side_features(extra):
     # The side tables are owned tables like the others (a pooled item feature sends its candidates'
     # values only); their rows, states and the join's projections are compared too.
-    proc = check(torchrun(2, "verify", "--config", str(QUICKSTART), *FAST, "--steps=6", "--balance.enable=true",
+    proc = check(ranks(2, "verify", "--config", str(QUICKSTART), *FAST, "--steps=6", "--balance.enable=true",
                           "--data.synthetic.num_items=512", *SIDE_DATA, *extra, timeout=600))
     assert "bitwise identical" in proc.stdout and "NOT" not in proc.stdout
     table = [line.split() for line in proc.stdout.splitlines() if line.strip()[:1].isdigit()]
@@ -363,7 +363,7 @@ def test_training_runs_of_both_pipelines_log_the_same_losses_and_evaluations(tmp
     runs = {}
     for pipeline in ("sync", "prioritized"):
         run_dir = tmp_path / pipeline
-        check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=7", "--train.eval_every=3",
+        check(ranks(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=7", "--train.eval_every=3",
                        f"--train.pipeline={pipeline}", f"--run.dir={run_dir}"))
         runs[pipeline] = [{k: v for k, v in r.items()
                            if not k.startswith(("throughput", "time", "train/tflops", "train/mfu"))}  # (timings)
@@ -380,7 +380,7 @@ def test_the_report_shows_the_collision_rate_the_hot_items_set(tmp_path):
     rates = {}
     for p in (0.0, 1.0):
         run_dir = tmp_path / f"hot{p}"
-        check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *big, f"--data.synthetic.hot_prob={p}",
+        check(ranks(2, "train", "--config", str(QUICKSTART), *FAST, *big, f"--data.synthetic.hot_prob={p}",
                        f"--run.dir={run_dir}", "--profile.trace_steps=[4,5]"))
         report = json.loads((run_dir / "report" / "report.json").read_text())
         rates[p] = report["summary"]["collision_rate"]

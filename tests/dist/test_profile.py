@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 from helpers.busy import busy_core
-from helpers.launch import FAST, QUICKSTART, check, freescale, torchrun
+from helpers.launch import FAST, QUICKSTART, check, freescale, ranks
 
 pytestmark = pytest.mark.slow
 
@@ -18,7 +18,7 @@ EVEN = ["--data.synthetic.tail_prob=0", "--data.synthetic.sigma=0.1", "--profile
 
 def profiled_run(tmp_path, name, *extra, cpus=None):
     run_dir = tmp_path / name
-    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *EVEN, f"--run.dir={run_dir}", *extra, cpus=cpus))
+    check(ranks(2, "train", "--config", str(QUICKSTART), *FAST, *EVEN, f"--run.dir={run_dir}", *extra, cpus=cpus))
     return run_dir
 
 

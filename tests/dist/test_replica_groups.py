@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from freescale.config import load_config
 from freescale.distributed import Topology
-from helpers.launch import FAST, QUICKSTART, check, metrics, torchrun, train_losses
+from helpers.launch import FAST, QUICKSTART, check, metrics, ranks, train_losses
 from helpers.spawn import run_ranks
 
 pytestmark = pytest.mark.slow
@@ -48,7 +48,7 @@ def test_replicas_in_one_world_train_apart(tmp_path):
     run_ranks(4, _replica, str(tmp_path))
     for replica in (0, 1):
         alone = tmp_path / f"alone{replica}"
-        check(torchrun(2, "train", "--config", str(QUICKSTART), *experiment(replica), f"--run.dir={alone}"))
+        check(ranks(2, "train", "--config", str(QUICKSTART), *experiment(replica), f"--run.dir={alone}"))
         together = tmp_path / f"replica{replica}"
         assert train_losses(together) == train_losses(alone), replica
         evals = lambda d: [r for r in metrics(d) if "eval/auc" in r]  # noqa: E731

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from helpers.launch import FAST, QUICKSTART, check, freescale, metrics, torchrun, train_losses
+from helpers.launch import FAST, QUICKSTART, check, freescale, metrics, ranks, train_losses
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def test_torchrec_s_pipelined_side_tables_train_bitwise_like_its_synchronous_pip
     runs = {}
     for pipeline in ("sparse_dist", "base"):
         run_dir = tmp_path / pipeline
-        check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *SIDE_DATA, *extra, "--train.steps=5",
+        check(ranks(2, "train", "--config", str(QUICKSTART), *FAST, *SIDE_DATA, *extra, "--train.steps=5",
                        "--train.eval_every=3", "--checkpoint.at_end=false", f"--train.pipeline={pipeline}",
                        f"--run.dir={run_dir}"))
         runs[pipeline] = _logged(run_dir)
@@ -49,10 +49,10 @@ def test_a_run_with_side_features_resumes_bitwise_from_a_checkpoint_taken_mid_ru
     chosen = [*SIDE_DATA, features, f"--train.pipeline={pipeline}", "--train.steps=5", "--checkpoint.every=2",
               "--checkpoint.keep=3"]
     run_dir = tmp_path / "mid"
-    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *chosen, f"--run.dir={run_dir}"))
+    check(ranks(2, "train", "--config", str(QUICKSTART), *FAST, *chosen, f"--run.dir={run_dir}"))
     before = train_losses(run_dir)
     final = [r for r in metrics(run_dir) if "eval/auc" in r][-1]
-    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *chosen,
+    check(ranks(2, "train", "--config", str(QUICKSTART), *FAST, *chosen,
                    f"--checkpoint.resume={run_dir / 'checkpoints' / 'step_00000002'}"))
     assert [r["step"] for r in metrics(run_dir) if "train/loss" in r] == [1, 2, 3, 4, 5]
     assert train_losses(run_dir) == before

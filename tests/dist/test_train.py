@@ -1,4 +1,5 @@
-"""Real torchrun jobs on 2 gloo ranks: training, checkpoint resume, the ratings reader end to end."""
+"""Real jobs on 2 gloo ranks (``freescale train --nproc 2``, and plain torchrun): training, checkpoint
+resume, the ratings reader end to end."""
 
 import json
 import math
@@ -6,14 +7,14 @@ import math
 import pytest
 
 from freescale.config import load_config
-from helpers.launch import FAST, QUICKSTART, check, metrics, torchrun, train_losses
+from helpers.launch import FAST, QUICKSTART, check, metrics, ranks, torchrun, train_losses
 
 pytestmark = pytest.mark.slow
 
 
 def run(tmp_path, name, *extra, nproc=2):
     run_dir = tmp_path / name
-    check(torchrun(nproc, "train", "--config", str(QUICKSTART), *FAST, f"--run.dir={run_dir}", *extra))
+    check(ranks(nproc, "train", "--config", str(QUICKSTART), *FAST, f"--run.dir={run_dir}", *extra))
     return run_dir
 
 
@@ -61,6 +62,8 @@ def test_resume_trains_only_the_remaining_steps_from_the_checkpoint(tmp_path, st
     chosen = f"--train.pipeline={pipeline}"
     _, expected, last_eval = straight(pipeline)
     first = run(tmp_path, "first", "--train.steps=3", chosen)
+    # The resumed launch is plain torchrun's (each rank a fresh process), the others forked by
+    # --nproc: the two ways to start ranks train alike, bit for bit.
     proc = check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=6", chosen,
                           f"--checkpoint.resume={first}"))
     assert f"resumed from {first}/checkpoints/step_00000003 at step 3" in proc.stdout
@@ -84,7 +87,7 @@ def test_checkpoints_are_pruned_and_an_older_one_resumes(tmp_path):
     before = train_losses(every)
     # Resume from one checkpoint folder, not the latest: step 5 is trained again, in place.
     older = every / "checkpoints" / "step_00000004"
-    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=5", "--checkpoint.every=1",
+    check(ranks(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=5", "--checkpoint.every=1",
                    "--checkpoint.keep=2", f"--checkpoint.resume={older}"))
     assert json.loads((every / "summary.json").read_text())["steps_this_launch"] == 1
     assert [r["step"] for r in metrics(every) if "train/loss" in r] == [1, 2, 3, 4, 5]
@@ -96,7 +99,7 @@ def test_a_prioritized_run_resumes_bitwise_from_a_checkpoint_taken_mid_run(strai
     # No evaluation at step 2: only the drain before the checkpoint puts batch 2's deferred
     # updates (rows batch 3 does not read) into the saved tables.
     run_dir, before, _ = straight("prioritized")
-    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, *STRAIGHT["prioritized"],
+    check(ranks(2, "train", "--config", str(QUICKSTART), *FAST, *STRAIGHT["prioritized"],
                    f"--checkpoint.resume={run_dir / 'checkpoints' / 'step_00000002'}"))
     assert [r["step"] for r in metrics(run_dir) if "train/loss" in r] == [1, 2, 3, 4, 5, 6]
     assert train_losses(run_dir) == before

@@ -224,14 +224,14 @@ def test_training_through_host_staged_matches_torch_dist(tmp_path):
     from freescale.config import load_config
     from freescale.data.loader import build_sources
     from freescale.train.ledger import audit, read_ledger
-    from helpers.launch import FAST, QUICKSTART, check, torchrun, train_losses
+    from helpers.launch import FAST, QUICKSTART, check, ranks, train_losses
 
     args = [*FAST, "--train.steps=5", "--balance.enable=true", "--balance.partition=karmarkar_karp",
             "--train.ledger=true"]
     losses, ledgers = {}, {}
     for kind in ("torch_dist", "host_staged"):
         run_dir = tmp_path / kind
-        check(torchrun(2, "train", "--config", str(QUICKSTART), *args, f"--run.dir={run_dir}",
+        check(ranks(2, "train", "--config", str(QUICKSTART), *args, f"--run.dir={run_dir}",
                        f"--transport.kind={kind}"))
         losses[kind] = train_losses(run_dir)
         ledgers[kind] = read_ledger(run_dir)

@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from helpers.launch import FAST, QUICKSTART, REPO, _env, check, torchrun, train_losses
+from helpers.launch import FAST, QUICKSTART, REPO, _env, check, ranks, train_losses
 
 sys.path.insert(0, str(REPO / "scripts"))
 from shaped_hosts import PREFIX, ShapedHosts, available, namespaces  # noqa: E402
@@ -45,7 +45,7 @@ def test_two_shaped_hosts_train_like_one(tmp_path):
         assert layouts and all("1 peer(s) on this host" in line and "2 on other hosts" in line
                                for line in layouts), (path.name, layouts)
     reference = tmp_path / "one-host"
-    check(torchrun(4, *JOB, f"--run.dir={reference}", "--transport.kind=torch_dist"))
+    check(ranks(4, *JOB, f"--run.dir={reference}", "--transport.kind=torch_dist"))
     losses = train_losses(run)
     assert sorted(losses) == list(range(1, 7)) and losses == train_losses(reference)
 

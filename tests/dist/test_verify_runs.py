@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from helpers.launch import FAST, QUICKSTART, check, torchrun
+from helpers.launch import FAST, QUICKSTART, check, ranks
 
 pytestmark = pytest.mark.slow
 
@@ -14,7 +14,7 @@ KINDS = ("embedding rows", "embedding optimizer state", "dense parameters", "den
 
 
 def _verify(*args):
-    return torchrun(2, "verify", "--config", str(QUICKSTART), *FAST, *args, timeout=600)
+    return ranks(2, "verify", "--config", str(QUICKSTART), *FAST, *args, timeout=600)
 
 
 def _table(stdout):

@@ -72,11 +72,23 @@ def freescale_without_torch(*args: str, timeout: float = 60) -> subprocess.Compl
                           timeout=timeout)
 
 
+def ranks(nproc: int, command: str, *args: str, timeout: float = 300,
+          cpus: set[int] | None = None) -> subprocess.CompletedProcess:
+    """``freescale COMMAND --nproc N ARGS``: N ranks on this host, as a user starts them (on CPU,
+    forked from the launcher once it has imported the trainer). ``cpus``: the cores it and its
+    ranks run on."""
+    return _ranks([sys.executable, "-m", "freescale", *_model_args((command, f"--nproc={nproc}", *args))], timeout, cpus)
+
+
 def torchrun(nproc: int, *args: str, timeout: float = 300, cpus: set[int] | None = None) -> subprocess.CompletedProcess:
-    """``torchrun --standalone --nproc_per_node=N -m freescale ARGS`` (``cpus``: the cores it and
-    its ranks run on)."""
+    """``torchrun --standalone --nproc_per_node=N -m freescale ARGS``: each rank a fresh process,
+    as on a cluster (``cpus``: the cores it and its ranks run on)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "freescale", *_model_args(args)]
+    return _ranks(cmd, timeout, cpus)
+
+
+def _ranks(cmd: list[str], timeout: float, cpus: set[int] | None) -> subprocess.CompletedProcess:
     pin = (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
     return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout, preexec_fn=pin)
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from freescale.balance.cost import CostModel
-from helpers.launch import FAST, QUICKSTART, check, freescale, torchrun, train_losses
+from helpers.launch import FAST, QUICKSTART, check, freescale, ranks, train_losses
 
 
 def test_balance_prints_every_partition(tmp_path):
@@ -57,7 +57,7 @@ def test_calibrate_fits_and_training_uses_the_model(tmp_path):
     assert model.cost(64, 4) > model.cost(4, 4)
 
     run_dir = tmp_path / "balanced"
-    check(torchrun(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=4", f"--run.dir={run_dir}",
+    check(ranks(2, "train", "--config", str(QUICKSTART), *FAST, "--train.steps=4", f"--run.dir={run_dir}",
                    "--balance.enable=true", "--balance.partition=vbs", f"--balance.cost_model={out}"))
     assert sorted(train_losses(run_dir)) == [1, 2, 3, 4]
     assert CostModel.load(str(run_dir / "cost_model.json")) == model
