@@ -94,7 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     loc = sub.add_parser("local", help="a lighthouse and R replica groups of N ranks on this host, with kills and restarts",
                          epilog="Any config key can be overridden as --section.key=value.")
     loc.add_argument("--config", required=True, help="experiment YAML file")
-    loc.add_argument("--replicas", type=int, required=True, help="replica groups (torchrun jobs)")
+    loc.add_argument("--replicas", type=int, required=True, help="replica groups (a freescale train --nproc N process each)")
     loc.add_argument("--nproc", type=int, required=True, help="ranks per replica group")
     loc.add_argument("--kill", default="", help="REPLICA@STEP,...: SIGKILL the group once it has trained STEP batches "
                      "of its shard; all@STEP: every group at once, when the first has")
@@ -276,8 +276,16 @@ def _split_overrides(extra: list[str]) -> list[str]:
 
 
 def _fail(message: str) -> None:
-    print(f"freescale: error: {message}", file=sys.stderr)
+    _error(message)
     sys.exit(EXIT_USAGE)
+
+
+def _error(message: str) -> None:
+    """``freescale: error: MESSAGE`` on stderr in one write: the ranks of a job share the stream,
+    and with ``PYTHONUNBUFFERED`` ``print`` writes the line and its newline apart, so two ranks
+    failing at once would interleave them."""
+    sys.stderr.write(f"freescale: error: {message}\n")
+    sys.stderr.flush()
 
 
 def _fail_once(message: str) -> None:
@@ -318,9 +326,9 @@ def _launch(nproc: int, argv: list[str], cfg) -> None:
     from torch.distributed.launcher.api import elastic_launch
     from torch.distributed.run import config_from_args, get_args_parser, run
 
-    levels = {}  # (torchrun's agent logs its banner, each rank's exit; a forked rank gets these back)
+    levels = {}  # (torchrun's agent logs its banner, each rank's exit, the ranks it stops; a forked rank gets these back)
     for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed"):
+        if name.startswith(("torch.distributed", "torch.multiprocessing")):
             levels[name] = logging.getLogger(name).level
             logging.getLogger(name).setLevel(logging.CRITICAL)
     ranks = _without_nproc(argv)
@@ -743,7 +751,7 @@ def _train(cfg) -> None:
     except TrainingError as e:
         if isinstance(e.__cause__, bad_input):
             _fail(str(e.__cause__))
-        print(f"freescale: error: {first_line(str(e))} (traceback in {e.log_path})", file=sys.stderr)
+        _error(f"{first_line(str(e))} (traceback in {e.log_path})")
         sys.exit(EXIT_FAILED)
     distributed.shutdown()  # while Python still runs: gloo's threads must not outlive the interpreter
 
