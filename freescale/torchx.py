@@ -13,10 +13,11 @@ it left there and joins the live groups as ``freescale local``'s restarted group
 (``ReplicaLayer.join``: catch up from a live peer, or the job's newest checkpoint when none is
 left). The other groups keep training meanwhile; nothing here waits for the restart.
 
-Each group gets what ``freescale local`` gives it: ``torchrun --standalone`` with N ranks,
-``freescale train`` with the config and its overrides, ``ft.enable``, ``ft.num_replicas=R``,
-``ft.replica_id=r``, ``run.dir=<run>/replica<r>`` and one thread per rank unless told
-otherwise, and a rendezvous store per start of its ranks (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``,
+Each group gets what ``freescale local`` gives it: torchrun's launcher with N ranks (here
+``torchrun --standalone``, whose agent restarts them in place; ``freescale local`` runs the same
+launcher inside ``freescale train --nproc N`` and restarts a group itself), ``freescale train``
+with the config and its overrides, ``ft.enable``, ``ft.num_replicas=R``, ``ft.replica_id=r``,
+``run.dir=<run>/replica<r>`` and one thread per rank unless told otherwise, and a rendezvous store per start of its ranks (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE``,
 without which torchrun's in-place restart fails); the lighthouse's address comes in torchft's ``TORCHFT_LIGHTHOUSE``. The lighthouse
 is role 0 (``freescale lighthouse``), bound to ``lighthouse_bind`` and dialled at
 ``lighthouse_host`` (both loopback by default: one host). On a cluster it must bind an address
