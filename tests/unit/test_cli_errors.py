@@ -304,6 +304,22 @@ def test_a_forked_rank_puts_back_the_signal_handlers_and_logger_levels_it_inheri
     assert proc.stdout.strip().splitlines()[-1] == "[True, True, True, True] 30", proc.stdout[-500:]
 
 
+def test_a_forked_rank_that_raises_prints_its_traceback_and_exits_1(tmp_path):
+    # Under torch.multiprocessing's wrapper, as torchrun's agent runs a forked rank: the wrapper
+    # would keep an escaping exception's traceback in its error file, unprinted; the rank prints it.
+    code = ("import sys\n"
+            "from torch.multiprocessing.spawn import _wrap\n"
+            "from freescale import cli\n"
+            "def main(argv):\n"
+            "    raise RuntimeError('the rank broke')\n"
+            "cli.main = main\n"
+            "_wrap(lambda i, argv, levels: cli._forked_rank(argv, levels), 0, (['train'], {}), sys.argv[1])\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(tmp_path / "error")], cwd=REPO, env=_plain_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" in proc.stderr and "RuntimeError: the rank broke" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh"])
 @pytest.mark.parametrize("failures, status, said", [
     # Rank 1 found the bad data and exited 2; torchrun then stopped rank 0 with SIGTERM before
